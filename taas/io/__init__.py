@@ -1,0 +1,1 @@
+"""Framed output: the kernel-side output pump and failure rendering."""

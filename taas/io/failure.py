@@ -1,0 +1,105 @@
+"""Why a job failed: pick the root cause, render it as the user's own traceback.
+
+Like torch elastic's ``ChildFailedError.get_first_failure()``, the root cause is the earliest
+failure: the earliest error report a process wrote, else the first exit the supervisor saw.
+Every other process gets one line ("rank0: stopped after rank1 failed").
+
+Rendering is pure: frames come from the report files (:mod:`taas.worker.report`), source lines
+from the kernel's linecache when the rank did not have them (functions defined in other
+notebook cells), and ``name_for(filename)`` turns a cell's file name into ``Cell In[3]``.
+"""
+
+from __future__ import annotations
+
+import linecache
+import signal
+from dataclasses import dataclass
+from typing import Callable
+
+RED, BOLD, RESET = "\x1b[31m", "\x1b[1m", "\x1b[0m"
+
+
+@dataclass
+class ProcessEnd:
+    key: str
+    returncode: int | None  # None: still running when the job was stopped
+    seen_at: float  # when the supervisor saw it end
+    record: dict | None = None  # its error report, if it wrote one
+    fault: str = ""  # faulthandler's dump, if it died by a signal
+
+    @property
+    def failed(self) -> bool:
+        return self.record is not None or (self.returncode not in (0, None))
+
+    @property
+    def failed_at(self) -> float:
+        return self.record["time"] if self.record else self.seen_at
+
+
+def root_cause(ends: list[ProcessEnd]) -> ProcessEnd | None:
+    failed = [e for e in ends if e.failed]
+    return min(failed, key=lambda e: e.failed_at) if failed else None
+
+
+def describe_exit(end: ProcessEnd) -> str:
+    code = end.returncode
+    if code is None:
+        return "was still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+def summary(end: ProcessEnd) -> str:
+    """One line: what went wrong in the root cause."""
+    if end.record and end.record.get("chain"):
+        return f"{end.key} failed: {end.record['chain'][-1]['text'].splitlines()[-1]}"
+    if end.record and end.record.get("message"):
+        return f"{end.key} {end.record['message']}"
+    return f"{end.key} {describe_exit(end)}"
+
+
+def render(root: ProcessEnd, others: list[ProcessEnd], name_for: Callable[[str], str] | None = None,
+           color: bool = True) -> list[str]:
+    """The lines a notebook shows for a failed job."""
+    red, bold, reset = (RED, BOLD, RESET) if color else ("", "", "")
+    lines = [f"{red}{bold}{summary(root)}{reset}"]
+    chain = (root.record or {}).get("chain") or []
+    for item in chain:
+        if item.get("relation") == "cause":
+            lines.append("\nThe above exception was the direct cause of the following exception:\n")
+        elif item.get("relation") == "context":
+            lines.append("\nDuring handling of the above exception, another exception occurred:\n")
+        if item["frames"]:
+            lines.append("Traceback (most recent call last):")
+        for frame in item["frames"]:
+            lines.append(_frame(frame, name_for))
+        lines.append(f"{red}{item['text']}{reset}")
+    if not chain and root.fault.strip():
+        lines.append(f"Python stack of {root.key} when it died (faulthandler):")
+        lines.extend("  " + line for line in root.fault.strip().splitlines())
+    for end in sorted(others, key=lambda e: _order(e.key)):
+        if end.failed and end.returncode is not None and end.returncode > 0 and end.record and end.record["time"] <= root.failed_at:
+            lines.append(f"{end.key}: also failed: {summary(end)}")
+        else:
+            lines.append(f"{end.key}: stopped after {root.key} failed")
+    return lines
+
+
+def _frame(frame: dict, name_for: Callable[[str], str] | None) -> str:
+    filename, lineno, name = frame["filename"], frame["lineno"], frame["name"]
+    where = name_for(filename) if name_for else None
+    head = f"  {where}, line {lineno}" if where else f'  File "{filename}", line {lineno}'
+    if name != "<module>":
+        head += f", in {name}"
+    source = frame.get("line") or linecache.getline(filename, lineno or 0).strip()
+    return head + (f"\n    {source}" if source else "")
+
+
+def _order(key: str):
+    digits = "".join(ch for ch in key if ch.isdigit())
+    return (not key.startswith("rank"), key.rstrip("0123456789"), int(digits) if digits else 0)

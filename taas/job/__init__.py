@@ -1,0 +1,1 @@
+"""What travels with a job: namespace analysis, packaging, results back."""

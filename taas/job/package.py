@@ -1,0 +1,149 @@
+"""Packaging: what a rank receives, built in the kernel before anything starts.
+
+Only the notebook names the cell reads travel (see :mod:`taas.job.analysis`), each pickled by
+cloudpickle: notebook-defined functions and classes go by value with the globals *they* read
+(transitively), importable modules and classes go by reference and are re-imported by name.
+A value that cannot be pickled fails the cell here, before launch, naming the variable, its
+type and -- when it hides behind a function -- the path to it (``train -> sock``).
+
+Unreferenced notebook values are never touched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import types
+from dataclasses import dataclass, field
+
+import cloudpickle
+
+from taas.errors import PackagingError
+
+# IPython's own names never travel: they mean nothing outside the kernel.
+_KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___"}
+
+
+@dataclass
+class Payload:
+    """Everything a rank needs to run the cell.  Plain pickle; ``names`` is cloudpickle."""
+
+    source: str
+    filename: str
+    first_line: int
+    names: bytes
+    bound: tuple[str, ...]
+    device: str
+    backend: str
+    pg_timeout: float
+    results: bool = True
+    results_to_cpu: bool = True
+    loaders: dict[str, dict] = field(default_factory=dict)  # name -> data-plane settings
+
+
+def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | frozenset = frozenset()) -> dict:
+    """The notebook values the cell reads: free names present in the namespace."""
+    out = {}
+    for name in sorted(free):
+        if name in _KERNEL_NAMES or name in hidden or name.startswith("_i"):
+            continue
+        if name in user_ns:
+            out[name] = user_ns[name]
+    return out
+
+
+def ship(values: dict) -> bytes:
+    """cloudpickle ``values`` as one blob (so shipped functions share one globals dict)."""
+    try:
+        return cloudpickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # find the culprit to name it
+        for name, value in values.items():
+            path = _unshippable(name, value, seen=set())
+            if path is not None:
+                chain, culprit = path
+                where = " -> ".join(chain)
+                raise PackagingError(
+                    f"cannot send `{where}` ({_type_name(culprit)}) to the ranks: "
+                    f"{_reason(culprit)}. Create it inside the taas cell instead."
+                ) from None
+        raise PackagingError(f"cannot send the cell's variables to the ranks: {exc}") from None
+
+
+def _unshippable(name: str, value, seen: set[int]):
+    """(path of names, culprit value) for the first value that cannot be pickled, else None."""
+    if id(value) in seen:
+        return None
+    seen.add(id(value))
+    try:
+        cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return None
+    except Exception:
+        pass
+    # A notebook function or class fails because of a global it reads: name that global.
+    for ref_name, ref_value in _referenced_globals(value).items():
+        found = _unshippable(ref_name, ref_value, seen)
+        if found is not None:
+            return [name] + found[0], found[1]
+    return [name], value
+
+
+def _referenced_globals(value) -> dict:
+    functions = []
+    if isinstance(value, types.FunctionType):
+        functions = [value]
+    elif inspect.isclass(value) and value.__module__ == "__main__":
+        functions = [v for v in vars(value).values() if isinstance(v, types.FunctionType)]
+    out = {}
+    for fn in functions:
+        codes = [fn.__code__]
+        while codes:
+            code = codes.pop()
+            for n in code.co_names:
+                if n in fn.__globals__:
+                    out[n] = fn.__globals__[n]
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return out
+
+
+def _type_name(value) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _reason(value) -> str:
+    try:
+        cloudpickle.dumps(value)
+    except Exception as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return text[:200]
+    return "it cannot be pickled"
+
+
+def unship(blob: bytes) -> dict:
+    """In the rank: the shipped values, in ONE namespace shared with the shipped functions.
+
+    cloudpickle gives every notebook function pickled in one call the same reconstructed
+    globals dict; running the cell in that very dict keeps notebook semantics (a function sees
+    the cell's later rebinding of a global it reads).
+    """
+    values = cloudpickle.loads(blob)
+    namespace = None
+    for value in values.values():
+        g = _globals_of(value)
+        if g is not None:
+            namespace = g
+            break
+    if namespace is None:
+        namespace = {}
+    namespace.update(values)
+    return namespace
+
+
+def _globals_of(value):
+    if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+        return value.__globals__
+    if inspect.isclass(value) and value.__module__ == "__main__":
+        for v in vars(value).values():
+            if isinstance(v, types.FunctionType):
+                return v.__globals__
+    return None

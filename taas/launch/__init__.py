@@ -1,0 +1,1 @@
+"""Starting and supervising a job's processes (contract in api.py)."""

@@ -1,0 +1,265 @@
+"""The local launcher: every process of a job on this machine, forked by a warm start process.
+
+The kernel side of :mod:`taas.launch.starter`.  One :class:`LocalLauncher` per kernel keeps one
+start process alive across jobs (started in the background by ``%load_ext taas``, so the first
+job is already warm, and restarted if it ever dies).  Per job, the launcher creates three pipes
+per process (stdout, stderr, events), hands the write ends to the start process, and reads the
+other ends itself, so output streams straight from each process to the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Iterable
+
+from taas.errors import LaunchError
+from taas.launch.api import Event, JobHandle, LaunchSpec, Launcher, OutputChunk, ProcessExit
+
+_STREAMS = ("stdout", "stderr", "events")
+_READY_TIMEOUT = 120.0  # a cold `import torch` on a busy 2-core machine can take many seconds
+
+
+class LocalLauncher(Launcher):
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._conn: Connection | None = None
+        self._ready = False
+        self.starter_pid: int | None = None
+
+    # -- the start process ---------------------------------------------------------------
+    def warm(self) -> None:
+        """Start the start process in the background if it is not running."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._close_starter()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "taas.launch.starter", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._conn = Connection(os.dup(ours.fileno()))
+        self._ready = False
+
+    def _ensure_ready(self) -> Connection:
+        self.warm()
+        assert self._conn is not None and self._proc is not None
+        if not self._ready:
+            if not self._conn.poll(_READY_TIMEOUT):
+                self._close_starter()
+                raise LaunchError("the taas start process did not come up in time; run the cell again")
+            try:
+                tag, pid = self._conn.recv()
+            except EOFError:
+                code = self._proc.wait()
+                self._close_starter()
+                raise LaunchError(
+                    f"the taas start process exited during start-up (code {code}); "
+                    "see the kernel's log, check that torch imports in this environment"
+                ) from None
+            assert tag == "ready"
+            self.starter_pid = pid
+            self._ready = True
+        return self._conn
+
+    def _close_starter(self) -> None:
+        for closable in (self._conn, self._sock):
+            if closable is not None:
+                closable.close()
+        self._conn = self._sock = None
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()  # its jobs die with it (PR_SET_PDEATHSIG)
+            self._proc.wait()
+        self._proc = None
+        self._ready = False
+
+    def shutdown(self) -> None:
+        """Close the channel: the start process ends every job and exits."""
+        proc = self._proc
+        for closable in (self._conn, self._sock):
+            if closable is not None:
+                closable.close()
+        self._conn = self._sock = None
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._proc = None
+        self._ready = False
+
+    # -- jobs ----------------------------------------------------------------------------
+    def start(self, spec: LaunchSpec) -> "LocalJob":
+        try:
+            conn = self._ensure_ready()
+            pipes = [os.pipe() for _ in range(len(spec.processes) * len(_STREAMS))]
+        except OSError as exc:
+            raise LaunchError(f"could not start the job: {exc}") from None
+        try:
+            conn.send(("spawn", spec.job_id, spec.cwd, list(spec.processes)))
+            socket.send_fds(self._sock, [b"f"], [w for _, w in pipes])
+        except OSError as exc:
+            for r, w in pipes:
+                os.close(r)
+                os.close(w)
+            self._close_starter()
+            raise LaunchError(f"lost the taas start process ({exc}); run the cell again") from None
+        for _, w in pipes:
+            os.close(w)
+        readers = {}
+        for i, proc in enumerate(spec.processes):
+            for j, stream in enumerate(_STREAMS):
+                readers[pipes[3 * i + j][0]] = (proc.key, stream)
+        job = LocalJob(self, spec.job_id, readers)
+        job._await_spawned()
+        return job
+
+
+class LocalJob(JobHandle):
+    def __init__(self, launcher: LocalLauncher, job_id: str, readers: dict[int, tuple[str, str]]):
+        self._launcher = launcher
+        self._conn = launcher._conn
+        self.job_id = job_id
+        self._readers = readers
+        self._selector = selectors.DefaultSelector()
+        for fd in readers:
+            os.set_blocking(fd, False)
+            self._selector.register(fd, selectors.EVENT_READ)
+        self._selector.register(self._conn.fileno(), selectors.EVENT_READ)
+        self._pids: dict[str, int] = {}
+        self._exited: set[str] = set()
+        self._pending: list[Event] = []
+        self._stopped = False
+        self._starter_lost = False
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return dict(self._pids)
+
+    @property
+    def running(self) -> bool:
+        return len(self._exited) < len(self._pids)
+
+    def _await_spawned(self) -> None:
+        while True:
+            message = self._recv_control(timeout=30)
+            if message is None:
+                raise LaunchError("the taas start process did not answer; run the cell again")
+            if message[0] == "spawned" and message[1] == self.job_id:
+                self._pids = message[2]
+                return
+            if message[0] == "error" and message[1] == self.job_id:
+                self.close()
+                raise LaunchError(message[2])
+
+    def _recv_control(self, timeout: float):
+        try:
+            if self._conn.poll(timeout):
+                return self._conn.recv()
+        except (EOFError, OSError):
+            self._lose_starter()
+        return None
+
+    def _lose_starter(self) -> None:
+        """The start process is gone (or we killed it): so are its children (PDEATHSIG)."""
+        self._starter_lost = True
+        for key, pid in self._pids.items():
+            if key not in self._exited:
+                self._exited.add(key)
+                self._pending.append(ProcessExit(key, pid, -9))
+        if self._conn is not None and self._conn.fileno() in self._selector.get_map():
+            self._selector.unregister(self._conn.fileno())
+        self._launcher._close_starter()
+
+    def _handle_control(self, message) -> None:
+        if message[1] != self.job_id:
+            return  # a late message about an earlier job
+        if message[0] == "exit":
+            _, _, key, pid, code = message
+            self._exited.add(key)
+            self._pending.append(ProcessExit(key, pid, code))
+        elif message[0] == "stopped":
+            self._stopped = True
+
+    def events(self, timeout: float) -> Iterable[Event]:
+        if not self._pending:
+            self._poll(timeout)
+        out, self._pending = self._pending, []
+        return out
+
+    def _poll(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for output or control messages; queue what arrives."""
+        if self._readers or self.running or not self._stopped:
+            for sel_key, _ in self._selector.select(timeout):
+                fd = sel_key.fd
+                if self._conn is not None and not self._starter_lost and fd == self._conn.fileno():
+                    while not self._starter_lost and self._conn.poll(0):
+                        message = self._recv_control(0)
+                        if message is not None:
+                            self._handle_control(message)
+                    continue
+                self._read(fd)
+
+    def _read(self, fd: int) -> None:
+        key, stream = self._readers[fd]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if data:
+            self._pending.append(OutputChunk(key, stream, data))
+        else:
+            self._selector.unregister(fd)
+            os.close(fd)
+            del self._readers[fd]
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self._stopped or self._starter_lost or not self._pids:
+            return
+        if self.running:
+            try:
+                self._conn.send(("stop", self.job_id, grace))
+            except OSError:
+                self._recv_control(0)
+                return
+            deadline = time.monotonic() + grace + 5
+            while not self._stopped and not self._starter_lost:
+                if time.monotonic() > deadline:
+                    # Never leave a job behind: kill the start process, its children die too.
+                    self._lose_starter()
+                    break
+                self._poll(0.05)
+        self._stopped = True
+
+    def drain(self, timeout: float = 2.0) -> list[Event]:
+        """Read what is left in the pipes after every process exited."""
+        out: list[Event] = []
+        deadline = time.monotonic() + timeout
+        while self._readers and time.monotonic() < deadline:
+            out.extend(self.events(0.05))
+        return out
+
+    def close(self) -> None:
+        self.stop()
+        for fd in list(self._readers):
+            self._selector.unregister(fd)
+            os.close(fd)
+        self._readers.clear()
+        self._selector.close()

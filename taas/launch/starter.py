@@ -1,0 +1,264 @@
+"""The warm start process: forks a job's processes with torch already imported.
+
+Why: the kernel must never fork itself (it may have touched CUDA, and it runs threads), and
+starting ``python`` + ``import torch`` per rank costs over a second.  So the kernel starts this
+process once (``python -m taas.launch.starter``); it imports torch and the rank runtime, then
+waits.  For each job it forks the processes, which start in milliseconds with everything
+imported.  It stays single-threaded so that fork is safe and a child can still enter new
+namespaces (see :mod:`taas.worker.storage`).
+
+Protocol, over a private Unix socketpair inherited from the kernel (no address anyone else
+can reach; pickles only ever cross between these two processes)::
+
+    kernel -> starter   ("spawn", job_id, cwd, [ProcessSpec...])  then, as ancillary data
+                        on the same socket, three write-end fds per process
+                        (stdout, stderr, events)
+    starter -> kernel   ("spawned", job_id, {key: pid})  or  ("error", job_id, message)
+    starter -> kernel   ("exit", job_id, key, pid, returncode)     once per process
+    kernel -> starter   ("stop", job_id, grace)
+    starter -> kernel   ("stopped", job_id)                        once every process is gone
+
+Each child is the leader of its own process group, gets SIGKILL if the starter dies
+(PR_SET_PDEATHSIG), and whatever it starts is ended with it: the starter is a child subreaper,
+so orphans of a job re-parent here and are killed when the job ends.  The starter exits when
+the kernel closes its end of the socket (kernel exit, crash, kill or restart), ending every
+running job first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+
+# What every job needs, imported once here so that forked children start warm.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.utils.data",
+    "cloudpickle",
+    "taas.worker.rank",
+)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> None:
+    _libc.prctl(option, value, 0, 0, 0)
+
+
+class _Job:
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        self.live: dict[int, str] = {}  # pid -> key
+        self.kill_at: float | None = None  # SIGKILL deadline once a stop was asked
+        self.stop_asked = False
+
+
+class Starter:
+    def __init__(self, conn: Connection, sock: socket.socket):
+        self.conn = conn
+        self.sock = sock
+        self.jobs: dict[str, _Job] = {}
+        self.parent = os.getppid()
+
+    # -- main loop -------------------------------------------------------------------------
+    def serve(self) -> None:
+        while True:
+            busy = any(job.live for job in self.jobs.values())
+            if wait([self.conn], timeout=0.02 if busy else 0.5):
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    return self.shutdown()
+                getattr(self, "_on_" + message[0])(*message[1:])
+            self._reap()
+            self._enforce_deadlines()
+            if os.getppid() != self.parent:  # the kernel is gone
+                return self.shutdown()
+
+    def shutdown(self) -> None:
+        for job in self.jobs.values():
+            self._signal_job(job, signal.SIGKILL)
+        self._kill_orphans()
+        deadline = time.monotonic() + 5
+        while any(j.live for j in self.jobs.values()) and time.monotonic() < deadline:
+            self._reap(report=False)
+            time.sleep(0.01)
+
+    # -- messages --------------------------------------------------------------------------
+    def _on_spawn(self, job_id: str, cwd: str, specs: list) -> None:
+        _, fds, _, _ = socket.recv_fds(self.sock, 1, 3 * len(specs))
+        job = self.jobs[job_id] = _Job(job_id)
+        pids: dict[str, int] = {}
+        starter = os.getpid()
+        try:
+            for i, spec in enumerate(specs):
+                pid = os.fork()
+                if pid == 0:  # child: never returns
+                    private = (self.conn.fileno(), self.sock.fileno())
+                    _child(spec, cwd, fds[3 * i : 3 * i + 3], private, starter)
+                try:
+                    os.setpgid(pid, pid)  # also done by the child; whichever runs first
+                except OSError:
+                    pass
+                job.live[pid] = spec.key
+                pids[spec.key] = pid
+        except OSError as exc:
+            self._signal_job(job, signal.SIGKILL)
+            self.conn.send(("error", job_id, f"could not start the job's processes: {exc}"))
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.conn.send(("spawned", job_id, pids))
+
+    def _on_stop(self, job_id: str, grace: float) -> None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            self.conn.send(("stopped", job_id))
+            return
+        job.stop_asked = True
+        self._signal_job(job, signal.SIGTERM)
+        job.kill_at = time.monotonic() + grace
+        self._maybe_finish(job)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _reap(self, report: bool = True) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            for job in list(self.jobs.values()):
+                key = job.live.pop(pid, None)
+                if key is None:
+                    continue  # an orphan of some job that re-parented to us: reaped, done
+                # Whatever this process started dies with it (its process group).
+                _killpg(pid, signal.SIGKILL)
+                if report:
+                    self.conn.send(("exit", job.job_id, key, pid, os.waitstatus_to_exitcode(status)))
+                self._maybe_finish(job)
+
+    def _maybe_finish(self, job: _Job) -> None:
+        if job.live:
+            return
+        self._kill_orphans()
+        if job.stop_asked:
+            self.conn.send(("stopped", job.job_id))
+        del self.jobs[job.job_id]
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for job in self.jobs.values():
+            if job.kill_at is not None and now >= job.kill_at:
+                self._signal_job(job, signal.SIGKILL)
+                self._kill_orphans()
+                job.kill_at = now + 0.5  # repeat until reaped
+
+    def _signal_job(self, job: _Job, sig: int) -> None:
+        for pid in job.live:
+            _killpg(pid, sig)
+
+    def _kill_orphans(self) -> None:
+        """Kill every child that is not a live process of a job: orphans of finished ranks
+        (a DataLoader worker that outlived its rank, a process that left its group)."""
+        live = {pid for job in self.jobs.values() for pid in job.live}
+        try:
+            import psutil
+
+            children = psutil.Process().children()
+        except Exception:  # pragma: no cover - psutil is a dependency
+            return
+        for child in children:
+            if child.pid not in live:
+                _killpg(child.pid, signal.SIGKILL)
+                try:
+                    child.kill()
+                except Exception:
+                    pass
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: int) -> None:
+    """Runs in the forked child: become a clean process for ``spec`` and run its entry."""
+    code = 70  # EX_SOFTWARE, if setup itself fails
+    try:
+        os.setpgid(0, 0)
+        for fd in private:  # the kernel's channel is the starter's alone
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        out, err, events = fds
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        os.chdir(cwd)
+        warning = None
+        if spec.read_only_cwd:
+            from taas.worker.storage import make_read_only
+
+            job_dir = spec.env.get("TAAS_JOB_DIR", "")
+            warning = make_read_only(cwd, keep_writable=[job_dir] if job_dir else [])
+        # After any namespace change (which resets it): die with the starter.
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != starter:  # it died before we asked
+            os._exit(code)
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        sys.stdin = open(os.devnull)
+        os.environ.update(spec.env)
+        os.environ["TAAS_EVENTS_FD"] = str(events)
+        if warning:
+            os.environ["TAAS_STORAGE_WARNING"] = warning
+        module, _, function = spec.entry.partition(":")
+        code = getattr(importlib.import_module(module), function)(spec)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the kernel's
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # a child that needs it reports the ImportError itself, with its traceback
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    conn.send(("ready", os.getpid()))
+    Starter(conn, sock).serve()
+
+
+if __name__ == "__main__":
+    main()

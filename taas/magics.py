@@ -1,0 +1,99 @@
+"""The IPython adapter: ``%%taas`` / ``%taas`` and the ``#pragma taas`` transformer.
+
+Thin on purpose (as ipyparallel's magics are): parse options, hand the cell to
+:class:`taas.session.Session`, put results into the notebook.  Everything IPython-specific in
+taas lives in this module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display, publish_display_data
+
+from taas import directive
+from taas.errors import DirectiveError, LaunchError, PackagingError, RegistrationError
+from taas.session import Session
+
+_BEFORE_LAUNCH = (DirectiveError, PackagingError, RegistrationError, LaunchError)
+
+
+def pragma_transformer(lines: list[str]) -> list[str]:
+    """``input_transformers_cleanup`` hook: ``#pragma taas`` cells become ``%%taas`` cells."""
+    try:
+        return directive.pragma_transformer(lines)
+    except DirectiveError as exc:
+        raise UsageError(str(exc)) from None
+
+
+class NotebookSink:
+    """Where a job's output goes in a notebook: the cell's streams, progress lines updated in
+    place (a display per process), and rank 0's display data."""
+
+    def __init__(self) -> None:
+        self._progress: dict[tuple[str, str], object] = {}
+
+    def write(self, stream: str, text: str) -> None:
+        target = sys.stdout if stream == "stdout" else sys.stderr
+        target.write(text)
+
+    def progress(self, key: str, stream: str, text: str, final: bool) -> None:
+        handle = self._progress.get((key, stream))
+        bundle = {"text/plain": text}
+        if handle is None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            handle = display(bundle, raw=True, display_id=True)
+            self._progress[(key, stream)] = handle
+        else:
+            handle.update(bundle, raw=True)
+        if final:
+            del self._progress[(key, stream)]
+
+    def display(self, data: dict, metadata: dict) -> None:
+        sys.stdout.flush()
+        publish_display_data(data, metadata)
+
+
+@magics_class
+class TaasMagics(Magics):
+    def __init__(self, shell, session: Session):
+        super().__init__(shell)
+        self.session = session
+
+    @line_cell_magic
+    def taas(self, line: str, cell: str | None = None):
+        if cell is None:
+            return self._status(line)
+        try:
+            options = directive.parse_options(line)
+        except DirectiveError as exc:
+            raise UsageError(str(exc)) from None
+        shell = self.shell
+        # Register the whole cell with IPython so tracebacks say "Cell In[7], line 4".
+        filename = shell.compile.cache(f"%%taas {line}\n{cell}", shell.execution_count)
+        sink = NotebookSink() if getattr(shell, "kernel", None) is not None else None
+        try:
+            result = self.session.run_cell(
+                cell, shell.user_ns, options, filename=filename, first_line=2, sink=sink,
+                hidden=frozenset(shell.user_ns_hidden), name_for=self._name_for,
+            )
+        except _BEFORE_LAUNCH as exc:
+            raise UsageError(str(exc)) from None
+        shell.user_ns.update(result.values)
+        for note in result.notes:
+            print(note, file=sys.stderr)
+        return result.out if result.has_out else None
+
+    taas.__doc__ = directive.HELP
+
+    def _name_for(self, filename: str) -> str | None:
+        label = self.shell.compile.format_code_name(filename)
+        return f"{label[0]} {label[1]}" if label else None
+
+    def _status(self, line: str) -> None:
+        from taas import status
+
+        print(status.render(self.session))

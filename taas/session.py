@@ -1,0 +1,270 @@
+"""One kernel's taas: runs a cell as a job, from options to results.  No IPython here.
+
+    options ──resolve──> world/device/backend
+    cell ──analyse──> free names ──select+ship──> payload.pkl       (fails before launch)
+    launcher.start(LaunchSpec) ──events──> OutputRouter ──> Sink      (live output)
+                               ──exits───> done / first failure -> stop all
+    result.pkl (rank 0) ──> names and Out[] for the notebook
+
+The magics layer (:mod:`taas.magics`) is a thin adapter over :meth:`Session.run_cell`; tests
+and scripts call it directly with a plain dict as the namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from taas import directive
+from taas.errors import JobFailed
+from taas.io import failure
+from taas.io.output import OutputRouter, Sink, TerminalSink
+from taas.job import analysis, package
+from taas.launch.api import LaunchSpec, OutputChunk, ProcessExit, ProcessSpec
+from taas.launch.local import LocalLauncher
+from taas.worker import report
+
+STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when a job is stopped
+
+
+@dataclass
+class CellResult:
+    values: dict = field(default_factory=dict)  # names rank 0 bound, for the notebook
+    out: object = None
+    has_out: bool = False
+    notes: list[str] = field(default_factory=list)  # one-line notes to show
+
+
+@dataclass
+class JobStats:
+    job_id: str
+    world_size: int
+    device: str
+    backend: str
+    wall_s: float = 0.0
+    outcome: str = "running"
+    exit_codes: dict = field(default_factory=dict)
+    loaders: list[str] = field(default_factory=list)
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _loopback_ifname() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return "lo" if "lo" in names else None
+
+
+class Session:
+    def __init__(self, launcher=None):
+        self.launcher = launcher or LocalLauncher()
+        self.last: JobStats | None = None
+
+    def warm(self) -> None:
+        if hasattr(self.launcher, "warm"):
+            self.launcher.warm()
+
+    def close(self) -> None:
+        self.launcher.shutdown()
+
+    # ------------------------------------------------------------------------------------
+    def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
+                 filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
+                 hidden: frozenset = frozenset(), name_for=None) -> CellResult:
+        sink = sink or TerminalSink()
+        world, device, backend, note = directive.resolve_world(options, cuda_device_count())
+        notes_before = [note] if note else []
+        cell = analysis.analyse(source)
+        analysis.compile_cell(source, filename, first_line)  # a SyntaxError stops us here
+        values = package.select(cell.free, namespace, hidden)
+        loaders = self._data_plane(values, options, world)
+        blob = package.ship(values)
+        for line in notes_before:
+            sink.write("stderr", line + "\n")
+
+        job_id = uuid.uuid4().hex[:12]
+        job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
+        stats = self.last = JobStats(job_id, world, device, backend, loaders=sorted(loaders))
+        store = handle = None
+        started = time.monotonic()
+        try:
+            payload = package.Payload(
+                source=source, filename=filename, first_line=first_line, names=blob,
+                bound=cell.bound, device=device,
+                backend=backend, pg_timeout=float(options.timeout or 1800),
+                results=options.results, results_to_cpu=cuda_device_count() == 0,
+                loaders=loaders,
+            )
+            with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
+                pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+            store = _agent_store(world)
+            spec = self._launch_spec(job_id, job_dir, world, store.port, device)
+            handle = self.launcher.start(spec)
+            show = None if options.show is None else {f"rank{r}" for r in options.show}
+            router = OutputRouter(sink, [p.key for p in spec.processes], show, tag=world > 1)
+            ends = self._supervise(handle, router, sink, options.timeout, started)
+            root = failure.root_cause(list(ends.values()))
+            stats.exit_codes = {k: e.returncode for k, e in ends.items()}
+            if root is not None:
+                stats.outcome = "failed"
+                for end in ends.values():
+                    end.record = end.record or report.read_error(job_dir, end.key)
+                    end.fault = _read(report.fault_path(job_dir, end.key))
+                root = failure.root_cause(list(ends.values()))
+                router.replay_hidden("--- recent output of {key} ---")
+                others = [e for e in ends.values() if e is not root]
+                raise JobFailed(failure.summary(root), failure.render(root, others, name_for), root)
+            stats.outcome = "ok"
+            return self._results(job_dir, options, cell.has_last_expr)
+        except KeyboardInterrupt:
+            stats.outcome = "interrupted"
+            raise
+        finally:
+            if handle is not None:
+                handle.close()
+            stats.wall_s = time.monotonic() - started
+            store = None  # closes its listening port
+            shutil.rmtree(job_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------
+    def _data_plane(self, values: dict, options, world: int) -> dict:
+        """Seam for registered loaders (taas.data): none yet in the core."""
+        return {}
+
+    def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, device: str) -> LaunchSpec:
+        common = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(world),
+            "TORCHELASTIC_RUN_ID": job_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TAAS_JOB_DIR": job_dir,
+            "MPLBACKEND": "module://taas.worker.mpl_backend",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if "OMP_NUM_THREADS" not in os.environ:
+            common["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+        lo = _loopback_ifname()
+        if lo:  # one machine: every socket on loopback, gloo's and NCCL's bootstrap too
+            common["GLOO_SOCKET_IFNAME"] = lo
+            common["NCCL_SOCKET_IFNAME"] = lo
+        processes = []
+        for rank in range(world):
+            scratch = os.path.join(job_dir, "scratch", f"rank{rank}")
+            os.makedirs(scratch)
+            env = dict(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank),
+                       TAAS_SCRATCH=scratch)
+            processes.append(ProcessSpec(key=f"rank{rank}", entry="taas.worker.rank:main", env=env,
+                                         read_only_cwd=rank != 0))
+        return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=os.getcwd(), processes=tuple(processes))
+
+    def _supervise(self, handle, router: OutputRouter, sink, timeout: float | None, started: float):
+        """Pump output until every process ended; stop all at the first failure."""
+        ends: dict[str, failure.ProcessEnd] = {}
+        keys = list(handle.pids)
+        stopping = False
+        try:
+            while len(ends) < len(keys):
+                for event in handle.events(0.05):
+                    if isinstance(event, OutputChunk):
+                        self._on_output(event, router, sink)
+                    elif isinstance(event, ProcessExit):
+                        ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time())
+                        if event.returncode != 0 and not stopping:
+                            stopping = True
+                            handle.stop(STOP_GRACE)
+                router.tick()
+                if timeout is not None and not stopping and time.monotonic() - started > timeout:
+                    stopping = True
+                    handle.stop(STOP_GRACE)
+                    for event in handle.drain():
+                        if isinstance(event, OutputChunk):
+                            self._on_output(event, router, sink)
+                    router.close()
+                    raise JobFailed(f"the job ran past --timeout {timeout:g}s; all its processes were stopped")
+            for event in handle.drain():
+                if isinstance(event, OutputChunk):
+                    self._on_output(event, router, sink)
+        except KeyboardInterrupt:
+            handle.stop(STOP_GRACE)
+            router.close()
+            raise
+        router.close()
+        return ends
+
+    def _on_output(self, chunk: OutputChunk, router: OutputRouter, sink) -> None:
+        if chunk.stream != "events":
+            router.feed(chunk.key, chunk.stream, chunk.data)
+            return
+        for line in chunk.data.decode("utf-8", "replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            self._on_event(chunk.key, message, sink)
+
+    def _on_event(self, key: str, message: dict, sink) -> None:
+        if message.get("kind") == "display" and hasattr(sink, "display"):
+            sink.display(message.get("data", {}), message.get("metadata", {}))
+
+    def _results(self, job_dir: str, options, has_last_expr: bool) -> CellResult:
+        result = CellResult()
+        if not options.results:
+            return result
+        try:
+            with open(report.result_path(job_dir), "rb") as f:
+                raw = pickle.load(f)
+        except OSError:
+            return result  # rank 0 ended early (sys.exit(0)): nothing to bring back
+        import cloudpickle
+
+        for name, blob in raw["values"].items():
+            try:
+                result.values[name] = cloudpickle.loads(blob)
+            except Exception as exc:
+                result.notes.append(f"taas: `{name}` was not brought back: {type(exc).__name__}: {exc}")
+        for name, why in raw["skipped"].items():
+            result.notes.append(f"taas: `{name}` was not brought back: {why}")
+        if raw["out"] is not None:
+            try:
+                result.out, result.has_out = cloudpickle.loads(raw["out"]), True
+            except Exception as exc:
+                result.notes.append(f"taas: the cell's result was not brought back: {exc}")
+        elif raw.get("out_skipped"):
+            result.notes.append(f"taas: the cell's result was not brought back: {raw['out_skipped']}")
+        return result
+
+
+def _agent_store(world: int):
+    """The job's rendezvous store, hosted here on a free loopback port (as torchrun's agent
+    does): port 0 lets the OS pick, so two kernels never race for a port."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""

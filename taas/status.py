@@ -1,0 +1,29 @@
+"""``%taas``: what taas sees here and what the last job did, as text."""
+
+from __future__ import annotations
+
+
+def render(session) -> str:
+    from taas.session import cuda_device_count
+
+    gpus = cuda_device_count()
+    lines = [
+        f"taas: {gpus} CUDA GPU(s) visible; "
+        + ("NCCL ranks, one GPU each" if gpus else "no CUDA: ranks run on CPU with gloo"),
+    ]
+    try:
+        from taas.data.registry import registered
+
+        names = registered()
+        lines.append("registered loaders: " + (", ".join(names) if names else "none"))
+    except ImportError:
+        pass
+    last = session.last
+    if last is None:
+        lines.append("last job: none yet")
+    else:
+        lines.append(
+            f"last job {last.job_id}: {last.outcome}, {last.world_size} rank(s) on "
+            f"{last.device}/{last.backend}, {last.wall_s:.2f} s"
+        )
+    return "\n".join(lines)

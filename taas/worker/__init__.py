@@ -1,0 +1,1 @@
+"""The rank runtime: what runs inside each worker process."""

@@ -1,0 +1,163 @@
+"""The rank runtime: what one rank does, from fork to exit.
+
+    load payload -> device + default process group -> patches -> data views
+    -> exec the cell -> (rank 0) results -> destroy group -> exit code
+
+Runs in a process forked by the start process, which already set up stdout/stderr, the
+environment (torchrun's variables), the working directory and the storage rule; see
+:mod:`taas.launch.starter`.  Every way out writes a report (:mod:`taas.worker.report`) and
+returns an exit code; a signal death leaves faulthandler's dump instead.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import faulthandler
+import linecache
+import os
+import pickle
+import sys
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from taas.job.analysis import compile_cell
+from taas.job.package import Payload, unship
+from taas.worker import display, patches, report
+
+
+def main(spec) -> int:
+    job_dir = os.environ["TAAS_JOB_DIR"]
+    key = spec.key
+    rank = int(os.environ["RANK"])
+    fault_file = open(report.fault_path(job_dir, key), "w")
+    faulthandler.enable(file=fault_file, all_threads=False)
+    try:
+        with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
+            payload: Payload = pickle.load(f)
+        if rank == 0 and os.environ.get("TAAS_STORAGE_WARNING"):
+            print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
+        _setup(payload)
+        namespace = unship(payload.names)
+        namespace.update(
+            __name__="__main__", __builtins__=builtins, display=display.display
+        )
+        _install_data_views(payload, namespace)
+        out = _run_cell(payload, namespace)
+        if rank == 0 and payload.results:
+            _write_results(job_dir, payload, namespace, out)
+        _teardown(ok=True)
+        return 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code != 0:
+            report.write_error(job_dir, key, None, code, f"exited with code {code} (sys.exit)")
+        _teardown(ok=code == 0)
+        return code
+    except BaseException as exc:  # the user's error, or KeyboardInterrupt
+        report.write_error(job_dir, key, exc, 1)
+        _teardown(ok=False)
+        return 1
+    finally:
+        faulthandler.disable()
+
+
+def _setup(payload: Payload) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    device_id = None
+    if payload.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device_id = torch.device("cuda", local_rank)
+    patches.install(payload.device)
+    dist.init_process_group(
+        backend=payload.backend,
+        init_method="env://",
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        timeout=datetime.timedelta(seconds=payload.pg_timeout),
+        device_id=device_id,
+    )
+    display.install(rank=int(os.environ["RANK"]))
+
+
+def _install_data_views(payload: Payload, namespace: dict) -> None:
+    """Replace registered loaders the cell uses by this rank's view of the data plane."""
+    if not payload.loaders:
+        return
+    from taas.data.view import install_views
+
+    install_views(payload.loaders, namespace)
+
+
+def _run_cell(payload: Payload, namespace: dict):
+    linecache.cache[payload.filename] = (
+        len(payload.source),
+        None,
+        ["\n"] * (payload.first_line - 1) + payload.source.splitlines(keepends=True),
+        payload.filename,
+    )
+    body, last = compile_cell(payload.source, payload.filename, payload.first_line)
+    exec(body, namespace)
+    if last is not None:
+        return eval(last, namespace)
+    return None
+
+
+def _write_results(job_dir: str, payload: Payload, namespace: dict, out) -> None:
+    values: dict[str, bytes] = {}
+    skipped: dict[str, str] = {}
+    for name in payload.bound:
+        if name.startswith("__") or name not in namespace:
+            continue
+        blob, why = _pack(namespace[name], payload.results_to_cpu)
+        if blob is None:
+            skipped[name] = why
+        else:
+            values[name] = blob
+    out_blob, out_why = (None, None) if out is None else _pack(out, payload.results_to_cpu)
+    result = {"values": values, "skipped": skipped, "out": out_blob, "out_skipped": out_why}
+    tmp = report.result_path(job_dir) + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, report.result_path(job_dir))
+
+
+def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(value, DistributedDataParallel):
+        value = value.module  # the wrapper holds the process group; the model is what matters
+    if to_cpu:
+        value = _to_cpu(value)
+    try:
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as exc:
+        return None, f"{type(value).__qualname__} cannot be pickled ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})"
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu() if value.device.type != "cpu" else value
+    if isinstance(value, torch.nn.Module):
+        return value.cpu()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _teardown(ok: bool) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if ok and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass

@@ -1,0 +1,94 @@
+"""How a process tells the kernel how it ended: files in the job directory.
+
+Errors travel through files, as torch elastic's ``@record`` does: a process that fails writes
+``<key>.error.json`` before it exits, with the time of failure (the earliest one is the root
+cause), the exception chain and its frames.  Frames inside taas itself are dropped, so a user
+sees their own code.  Rank 0's results go to ``result.pkl``.
+
+A process killed by a signal writes nothing; faulthandler's dump (``<key>.fault``) then shows
+where its Python code was.
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import time
+import traceback
+
+_TAAS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def error_path(job_dir: str, key: str) -> str:
+    return os.path.join(job_dir, f"{key}.error.json")
+
+
+def fault_path(job_dir: str, key: str) -> str:
+    return os.path.join(job_dir, f"{key}.fault")
+
+
+def result_path(job_dir: str) -> str:
+    return os.path.join(job_dir, "result.pkl")
+
+
+def _internal(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_TAAS_DIR + os.sep)
+
+
+def describe_exception(exc: BaseException) -> list[dict]:
+    """The exception chain, outermost last (as Python prints it), as JSON-able dicts."""
+    chain: list[dict] = []
+    te: traceback.TracebackException | None = traceback.TracebackException.from_exception(exc)
+    relation = None
+    while te is not None:
+        frames = [
+            {
+                "filename": f.filename,
+                "lineno": f.lineno,
+                "name": f.name,
+                "line": f.line or linecache.getline(f.filename, f.lineno or 0).strip(),
+            }
+            for f in te.stack
+            if not _internal(f.filename)
+        ]
+        chain.append(
+            {
+                "type": te.exc_type.__qualname__ if te.exc_type else "Exception",
+                "module": te.exc_type.__module__ if te.exc_type else "builtins",
+                # exactly the closing line(s) Python prints: "ValueError: bad"
+                "text": "".join(te.format_exception_only()).rstrip("\n"),
+                "frames": frames,
+                "relation": relation,
+            }
+        )
+        if te.__cause__ is not None:
+            te, relation = te.__cause__, "cause"
+        elif te.__context__ is not None and not te.__suppress_context__:
+            te, relation = te.__context__, "context"
+        else:
+            te = None
+    chain.reverse()
+    return chain
+
+
+def write_error(job_dir: str, key: str, exc: BaseException | None, exit_code: int, message: str = "") -> None:
+    record = {
+        "key": key,
+        "time": time.time(),
+        "exit_code": exit_code,
+        "message": message,
+        "chain": describe_exception(exc) if exc is not None else [],
+    }
+    tmp = error_path(job_dir, key) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, error_path(job_dir, key))
+
+
+def read_error(job_dir: str, key: str) -> dict | None:
+    try:
+        with open(error_path(job_dir, key)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,57 @@
+"""Entry points for launcher tests: module-level functions a forked process runs."""
+
+import ctypes
+import os
+import sys
+import time
+
+
+def echo(spec):
+    print(f"hello from {spec.key} pid={os.getpid()}")
+    print("to stderr", file=sys.stderr)
+    return 0
+
+
+def raise_error(spec):
+    raise ValueError("boom in " + spec.key)
+
+
+def exit_3(spec):
+    sys.exit(3)
+
+
+def segfault(spec):
+    ctypes.string_at(0)
+
+
+def big_output(spec):
+    sys.stdout.write("x" * (10 * 1024 * 1024) + "\n")
+    return 0
+
+
+def hang(spec):
+    while True:
+        time.sleep(1)
+
+
+def hang_with_child(spec):
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"child {child.pid}", flush=True)
+    while True:
+        time.sleep(1)
+
+
+def ignore_sigterm(spec):
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+
+
+def env_and_cwd(spec):
+    print(os.environ.get("TAAS_TEST_VALUE"), os.getcwd(), os.getpgid(0) == os.getpid())
+    return 0

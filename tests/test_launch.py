@@ -1,0 +1,130 @@
+"""The local launcher with real processes: output, exit codes, signals, and nothing left behind."""
+
+import os
+import time
+
+import psutil
+import pytest
+
+from taas.launch.api import LaunchSpec, OutputChunk, ProcessExit, ProcessSpec
+from taas.launch.local import LocalLauncher
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    launcher = LocalLauncher()
+    yield launcher
+    pid = launcher.starter_pid
+    launcher.shutdown()
+    if pid:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def run(launcher, tmp_path, entry, n=2, env=None, timeout=30.0, stop_after=None):
+    spec = LaunchSpec(
+        job_id=f"t{time.monotonic_ns()}",
+        job_dir=str(tmp_path),
+        cwd=str(tmp_path),
+        processes=tuple(
+            ProcessSpec(key=f"rank{i}", entry=f"tests.launch_targets:{entry}", env=dict(env or {}))
+            for i in range(n)
+        ),
+    )
+    job = launcher.start(spec)
+    pids = job.pids
+    output: dict[tuple[str, str], bytes] = {}
+    exits: dict[str, int] = {}
+    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    stopped = False
+    while len(exits) < n:
+        assert time.monotonic() < deadline, "job did not end"
+        if stop_after is not None and not stopped and time.monotonic() - started > stop_after:
+            job.stop(grace=0.5)
+            stopped = True
+        for ev in job.events(0.05):
+            if isinstance(ev, OutputChunk):
+                output[(ev.key, ev.stream)] = output.get((ev.key, ev.stream), b"") + ev.data
+            elif isinstance(ev, ProcessExit):
+                exits[ev.key] = ev.returncode
+    for ev in job.drain():
+        if isinstance(ev, OutputChunk):
+            output[(ev.key, ev.stream)] = output.get((ev.key, ev.stream), b"") + ev.data
+    job.close()
+    return pids, exits, output
+
+
+def assert_gone(pids, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    assert not alive, f"processes survived: {alive}"
+
+
+def test_echo_streams_both_outputs(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "echo")
+    assert exits == {"rank0": 0, "rank1": 0}
+    for key in ("rank0", "rank1"):
+        assert f"hello from {key}".encode() in output[(key, "stdout")]
+        assert output[(key, "stderr")] == b"to stderr\n"
+    assert_gone(pids.values())
+
+
+def test_env_cwd_and_own_process_group(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "env_and_cwd", n=1, env={"TAAS_TEST_VALUE": "42"})
+    assert exits == {"rank0": 0}
+    assert output[("rank0", "stdout")].decode().split() == ["42", str(tmp_path), "True"]
+
+
+def test_raise_gives_exit_1_and_traceback_on_stderr(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "raise_error")
+    assert exits == {"rank0": 70, "rank1": 70}
+    assert b"ValueError: boom in rank0" in output[("rank0", "stderr")]
+    assert_gone(pids.values())
+
+
+def test_sys_exit_code(launcher, tmp_path):
+    pids, exits, _ = run(launcher, tmp_path, "exit_3")
+    assert exits == {"rank0": 3, "rank1": 3}
+
+
+def test_segfault_is_a_signal_exit(launcher, tmp_path):
+    pids, exits, _ = run(launcher, tmp_path, "segfault", n=1)
+    assert exits == {"rank0": -11}
+    assert_gone(pids.values())
+
+
+def test_ten_megabytes_of_output_do_not_deadlock(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "big_output", n=2)
+    assert exits == {"rank0": 0, "rank1": 0}
+    assert len(output[("rank1", "stdout")]) == 10 * 1024 * 1024 + 1
+
+
+def test_stop_ends_processes_and_their_children(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "hang_with_child", stop_after=2.0)
+    assert set(exits) == {"rank0", "rank1"} and all(code < 0 for code in exits.values())
+    children = [int(line.split()[1]) for key in ("rank0", "rank1")
+                for line in output.get((key, "stdout"), b"").decode().splitlines() if line.startswith("child")]
+    assert children, output
+    assert_gone(list(pids.values()) + children)
+
+
+def test_stop_kills_a_process_that_ignores_sigterm(launcher, tmp_path):
+    pids, exits, _ = run(launcher, tmp_path, "ignore_sigterm", n=1, stop_after=1.5)
+    assert exits == {"rank0": -9}
+    assert_gone(pids.values())
+
+
+def test_kernel_death_takes_the_start_process_and_jobs_down(tmp_path):
+    launcher = LocalLauncher()
+    spec = LaunchSpec("dead", str(tmp_path), str(tmp_path),
+                      (ProcessSpec("rank0", "tests.launch_targets:hang"),))
+    job = launcher.start(spec)
+    pids = list(job.pids.values()) + [launcher.starter_pid]
+    # What a killed kernel does to the channel: its end closes.
+    launcher._conn.close()
+    launcher._sock.close()
+    assert_gone(pids)
+    launcher._proc.wait()
