@@ -12,6 +12,7 @@ notebook cells), and ``name_for(filename)`` turns a cell's file name into ``Cell
 from __future__ import annotations
 
 import linecache
+import re
 import signal
 from dataclasses import dataclass
 from typing import Callable
@@ -36,9 +37,27 @@ class ProcessEnd:
         return self.record["time"] if self.record else self.seen_at
 
 
+# A collective that fails because a peer died is a consequence, not a cause: when rank 1
+# segfaults, rank 0's all_reduce raises "Read error" a moment later, often before the
+# supervisor even sees rank 1's exit.
+_PEER_LOST = re.compile(
+    r"DistBackendError|Connection closed by peer|Connection reset by peer|Read error|"
+    r"Broken pipe|ProcessGroupGloo|gloo/transport|NCCL communicator was aborted|"
+    r"Socket Timeout|failed to recv, got 0 bytes"
+)
+
+
+def is_consequence(end: ProcessEnd) -> bool:
+    """Did this process fail only because a peer went away?"""
+    chain = (end.record or {}).get("chain") or []
+    return bool(chain) and bool(_PEER_LOST.search(chain[-1]["text"]))
+
+
 def root_cause(ends: list[ProcessEnd]) -> ProcessEnd | None:
+    """The earliest failure, preferring real causes over peers' lost-connection errors."""
     failed = [e for e in ends if e.failed]
-    return min(failed, key=lambda e: e.failed_at) if failed else None
+    causes = [e for e in failed if not is_consequence(e)] or failed
+    return min(causes, key=lambda e: e.failed_at) if causes else None
 
 
 def describe_exit(end: ProcessEnd) -> str:

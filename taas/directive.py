@@ -1,0 +1,246 @@
+"""The ``%%taas`` directive: its options and the ``#pragma taas`` spelling of it.
+
+Pure functions only (no IPython, no processes), so every rule here is a table test.
+
+* :func:`parse_options` turns the text after ``%%taas`` into a frozen :class:`JobOptions`;
+  :func:`format_options` renders the non-default ones back (``parse_options`` round-trips it).
+  :data:`HELP` is the full help text (the ``%%taas?`` docstring).
+* :func:`resolve_world` decides (world size, device, backend, note) from the options and the
+  number of CUDA devices the machine has.
+* :func:`pragma_transformer` is an IPython ``input_transformers_cleanup`` hook: it takes a
+  cell as a list of lines (each ending in ``'\\n'``, the last one may not) and returns a list of
+  lines. A cell whose first line is ``#pragma taas ARGS`` (only blank lines and DataSphere
+  ``#!NAME`` configuration lines may come before it) becomes ``%%taas ARGS [--config NAME]``,
+  with the lines up to and including the pragma blanked, so that line k of the body is still
+  line k of the cell. Any other cell comes back unchanged; a pragma anywhere else is an error.
+
+All bad input raises :class:`taas.errors.DirectiveError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import re
+import shlex
+from dataclasses import dataclass, fields
+
+from taas.errors import DirectiveError
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    gpus: int | None = None  # ranks, one GPU each; None = all visible GPUs (1 CPU rank if none)
+    cpus: int = 1  # loader worker processes per registered loader
+    units: int | None = None  # units each registered loader must produce; None = one pass
+    backend: str = "auto"  # auto | nccl | gloo
+    device: str = "auto"  # auto | cuda | cpu
+    timeout: float | None = None  # whole-job wall-clock limit in seconds (also hang limit)
+    show: tuple[int, ...] | None = None  # ranks whose output streams live; None = all
+    results: bool = True  # return rank 0's new names / last expression to the notebook
+    config: str | None = None  # DataSphere '#!NAME' configuration (shown, otherwise ignored)
+
+
+_SEE_HELP = "see %%taas? for the options"
+
+
+def _positive_int(flag):
+    def convert(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}")
+        return value
+    return convert
+
+
+def _timeout(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"--timeout must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _show(text):
+    if text.strip().lower() == "all":
+        return None
+    ranks = set()
+    for part in text.split(","):
+        if not re.fullmatch(r"[0-9]+", part.strip()):
+            raise argparse.ArgumentTypeError(
+                f"--show takes 'all' or rank numbers separated by commas (like 0,2), got {text!r}")
+        ranks.add(int(part))
+    return tuple(sorted(ranks))
+
+
+def _config(text):
+    if not text.strip() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(
+            f"--config takes one configuration name without spaces (like g2.8), got {text!r}")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and exit the kernel
+        raise DirectiveError(f"{message}; {_SEE_HELP}")
+
+
+_PARSER = _Parser(
+    prog="%%taas",
+    description="Run this cell as an N-rank torch.distributed job: every rank runs the cell\n"
+    "with the notebook's values; rank 0's new names come back to the notebook.",
+    epilog="The first line of a cell may also be a comment, for code that must stay plain "
+    "Python:\n\n    #!g2.8                      (optional DataSphere configuration line)\n"
+    "    #pragma taas --gpus 2 --units 1000\n    <cell body>\n\n"
+    "which runs as '%%taas --gpus 2 --units 1000 --config g2.8'.",
+    formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=88),
+    add_help=False,
+    allow_abbrev=False,
+    exit_on_error=False,
+)
+_PARSER.add_argument("--gpus", metavar="N", type=_positive_int("--gpus"),
+                     help="number of ranks, one GPU each (default: all visible GPUs; "
+                     "1 CPU rank if there is none)")
+_PARSER.add_argument("--cpus", metavar="M", type=_positive_int("--cpus"), default=1,
+                     help="loader worker processes per registered loader (default: 1)")
+_PARSER.add_argument("--units", metavar="K", type=_positive_int("--units"),
+                     help="units each registered loader must produce (default: one pass)")
+_PARSER.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                     help="process-group backend (default: auto = nccl on CUDA, gloo on CPU)")
+_PARSER.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                     help="device of the ranks (default: auto = cuda if there is a GPU)")
+_PARSER.add_argument("--timeout", metavar="SECONDS", type=_timeout,
+                     help="wall-clock limit of the whole job; also how long a collective or "
+                     "a loader may hang (default: none)")
+_PARSER.add_argument("--show", metavar="all|0|0,2", type=_show,
+                     help="ranks whose output streams live (default: all); the others' output "
+                     "is still shown if the job fails")
+_PARSER.add_argument("--no-results", dest="results", action="store_false",
+                     help="do not return rank 0's new names and last expression")
+_PARSER.add_argument("--config", metavar="NAME", type=_config,
+                     help="DataSphere configuration name, as in a '#!NAME' line (shown by "
+                     "'%%taas status', otherwise ignored)")
+
+HELP: str = _PARSER.format_help()
+_FLAGS = sorted(o for a in _PARSER._actions for o in a.option_strings)
+
+
+def parse_options(argline: str) -> JobOptions:
+    """Parse the text after ``%%taas`` (or ``#pragma taas``) into :class:`JobOptions`."""
+    try:
+        argv = shlex.split(argline, comments=True)
+    except ValueError as exc:
+        raise DirectiveError(f"cannot split the options ({exc}): check the quotes") from None
+    try:
+        ns, extra = _PARSER.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        flag = exc.argument_name or "%%taas"
+        message = exc.message if exc.message.startswith(flag) else f"{flag}: {exc.message}"
+        raise DirectiveError(f"{message}; {_SEE_HELP}") from None
+    for arg in extra:
+        if arg.startswith("-"):
+            name = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(name, _FLAGS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise DirectiveError(f"unknown option {name!r}{hint}; {_SEE_HELP}")
+        raise DirectiveError(
+            f"unexpected argument {arg!r}: %%taas takes only --options; {_SEE_HELP}")
+    if ns.backend == "nccl" and ns.device == "cpu":
+        raise DirectiveError("--backend nccl needs CUDA but --device cpu was given; "
+                             "use --backend gloo for CPU ranks")
+    return JobOptions(**vars(ns))
+
+
+def format_options(opts: JobOptions) -> str:
+    """The non-default options as a flag string (``parse_options`` reads it back to ``opts``)."""
+    out = []
+    for f in fields(JobOptions):
+        value = getattr(opts, f.name)
+        if value == f.default:
+            continue
+        if f.name == "results":
+            out.append("--no-results")
+        elif f.name == "show":
+            out.append("--show " + ",".join(map(str, value)))
+        elif f.name == "timeout":
+            out.append(f"--timeout {int(value) if float(value).is_integer() else repr(value)}")
+        else:
+            out.append(f"--{f.name} {shlex.quote(str(value))}")
+    return " ".join(out)
+
+
+def resolve_world(opts: JobOptions, cuda_devices: int) -> tuple[int, str, str, str | None]:
+    """(world_size, 'cuda'|'cpu', 'nccl'|'gloo', note or None) for ``opts`` on this machine."""
+    if opts.device == "cuda" and cuda_devices <= 0:
+        raise DirectiveError("--device cuda but this machine has no CUDA device; "
+                             "drop --device (or use --device cpu) to run CPU ranks")
+    device = opts.device if opts.device != "auto" else ("cuda" if cuda_devices > 0 else "cpu")
+    note = None
+    if device == "cuda":
+        backend = "nccl" if opts.backend == "auto" else opts.backend
+        if opts.gpus is not None and opts.gpus > cuda_devices:
+            raise DirectiveError(
+                f"--gpus {opts.gpus} asks for more GPUs than this machine has ({cuda_devices}); "
+                f"use --gpus {cuda_devices} or fewer, or --device cpu for CPU ranks")
+        world = opts.gpus if opts.gpus is not None else cuda_devices
+    else:
+        if opts.backend == "nccl" and opts.device == "cpu":
+            raise DirectiveError("--backend nccl needs CUDA but --device cpu was given; "
+                                 "use --backend gloo for CPU ranks")
+        backend = "gloo"
+        world = opts.gpus if opts.gpus is not None else 1
+        if opts.device == "auto":
+            ranks = f"{world} CPU rank{'s' if world != 1 else ''}"
+            instead = " instead of nccl" if opts.backend == "nccl" else ""
+            note = f"taas: no CUDA device here: running {ranks} on gloo{instead}"
+    if opts.show and max(opts.show) >= world:
+        raise DirectiveError(f"--show {','.join(map(str, opts.show))} names rank {max(opts.show)} "
+                             f"but the job has {world} rank(s) (0..{world - 1})")
+    return world, device, backend, note
+
+
+PRAGMA_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+taas(?:[ \t]+(?P<args>.*?))?[ \t]*\r?\n?$")
+CONFIG_LINE_RE = re.compile(r"^#!(?P<name>\S+)\s*$")
+_MAGIC_RE = re.compile(r"^%%taas(?:\s|$)")
+_HAS_CONFIG_RE = re.compile(r"(?:^|\s)--config(?:=|\s|$)")
+
+
+def pragma_transformer(lines: list[str]) -> list[str]:
+    """IPython cleanup transformer: ``#pragma taas ARGS`` as first line -> ``%%taas ARGS``."""
+    config = None
+    first = None  # index of the first line that is neither blank nor '#!NAME'
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        match = CONFIG_LINE_RE.match(line)
+        if match:
+            config = match.group("name")
+            continue
+        first = i
+        break
+    if first is None or _MAGIC_RE.match(lines[first]):
+        return lines
+    head = PRAGMA_RE.match(lines[first])
+    for i in range(first + 1 if head else first, len(lines)):
+        if PRAGMA_RE.match(lines[i]):
+            if head:
+                raise DirectiveError(
+                    f"'#pragma taas' must be the first line of the cell, once (line {i + 1} "
+                    f"here repeats the one on line {first + 1}); remove the repeat")
+            raise DirectiveError(
+                f"'#pragma taas' must be the first line of the cell (line {i + 1} here); move it "
+                "to the top (only blank lines and '#!' configuration lines may come before it)")
+    if not head:
+        return lines
+    args = head.group("args") or ""
+    if config is not None and not _HAS_CONFIG_RE.search(args):
+        args = f"{args} --config {shlex.quote(config)}".strip()
+    magic = f"%%taas {args}".rstrip() + "\n"
+    return [magic] + ["\n"] * first + list(lines[first + 1:])

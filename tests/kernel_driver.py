@@ -1,0 +1,121 @@
+"""Drive a real Jupyter kernel from tests: run cells, collect outputs, check for leftovers."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from jupyter_client import KernelManager
+
+
+@dataclass
+class CellRun:
+    stdout: str = ""
+    stderr: str = ""
+    error: dict | None = None  # ename, evalue, traceback
+    result: str | None = None  # execute_result text/plain
+    displays: list = field(default_factory=list)
+    status: str = ""
+
+    @property
+    def traceback(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+
+class Kernel:
+    def __init__(self, cwd: str, load_taas: bool = True):
+        self.km = KernelManager(kernel_name="python3")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_repo_root(), env.get("PYTHONPATH")]))
+        self.km.start_kernel(cwd=cwd, env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        self.pid = self.km.provisioner.process.pid
+        if load_taas:
+            run = self.run("%load_ext taas")
+            assert run.error is None, run.traceback
+
+    def run(self, code: str, timeout: float = 120, on_output=None) -> CellRun:
+        msg_id = self.kc.execute(code)
+        out = CellRun()
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    out.stdout += content["text"]
+                else:
+                    out.stderr += content["text"]
+                if on_output:
+                    on_output(out)
+            elif kind == "error":
+                out.error = content
+            elif kind == "execute_result":
+                out.result = content["data"].get("text/plain")
+            elif kind in ("display_data", "update_display_data"):
+                out.displays.append((kind, content["data"]))
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        reply = self.kc.get_shell_msg(timeout=10)
+        out.status = reply["content"]["status"]
+        return out
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def listening_ports(pids: set[int]) -> set[int]:
+    ports = set()
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
+            ports.add(conn.laddr.port)
+    return ports
+
+
+def wait_until_gone(pids, timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
