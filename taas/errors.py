@@ -45,13 +45,15 @@ class JobFailed(TaasError):
     """
 
     def __init__(self, summary: str, rendered: list[str] | None = None, report=None):
-        super().__init__(summary)
+        super().__init__(summary)  # str(): the one-line summary (a notebook's "evalue")
         self.summary = summary
         self.rendered = rendered or [summary]
         self.report = report
+        if len(self.rendered) > 1 and hasattr(self, "add_note"):
+            # Plain Python prints notes under the exception line: the whole story there too.
+            import re
+
+            self.add_note(re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(self.rendered[1:])))
 
     def _render_traceback_(self) -> list[str]:
         return list(self.rendered)
-
-    def __str__(self) -> str:  # plain Python (no IPython): the whole story, not one line
-        return "\n".join(self.rendered)

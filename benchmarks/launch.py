@@ -1,0 +1,146 @@
+"""Launch overhead: the same 4-rank job started by torchrun and by taas, side by side.
+
+The job: init the default process group (gloo on CPU, NCCL with --device cuda), one
+all_reduce, then a small DDP training loop whose per-step time rank 0 reports.
+
+    python benchmarks/launch.py [--ranks 4] [--repeat 3] [--steps 50]
+
+Printed: median wall time of each way to start the job, and the ratios the project tracks
+(taas cold / torchrun, taas warm / torchrun, per-step time taas / torchrun).  "cold" is a new
+session whose start process is launched at the moment the cell runs (the worst case: in a
+notebook ``%load_ext taas`` starts it in the background beforehand); "warm" is the next cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BODY = textwrap.dedent(
+    """
+    import json, os, time
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group(backend=BACKEND, init_method="env://")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    for step in range(STEPS + 5):
+        if step == 5:  # warm-up steps excluded
+            started = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    step_ms = (time.perf_counter() - started) / STEPS * 1000
+    if dist.get_rank() == 0:
+        print("STEP_MS", json.dumps(step_ms), flush=True)
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def body(backend: str, steps: int) -> str:
+    return f"BACKEND = {backend!r}\nSTEPS = {steps}\n" + BODY
+
+
+def run_torchrun(script: str, ranks: int) -> tuple[float, float]:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    started = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", script],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout
+    wall = time.perf_counter() - started
+    return wall, _step_ms(out)
+
+
+class _Collect:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, stream, text):
+        self.text += text
+
+    def progress(self, *args, **kwargs):
+        pass
+
+
+def run_taas(session, source: str, ranks: int, device: str) -> tuple[float, float]:
+    from taas.directive import parse_options
+
+    sink = _Collect()
+    started = time.perf_counter()
+    session.run_cell(source, {}, parse_options(f"--gpus {ranks} --device {device} --no-results"), sink=sink)
+    wall = time.perf_counter() - started
+    return wall, _step_ms(sink.text)
+
+
+def _step_ms(text: str) -> float:
+    for line in text.splitlines():
+        if "STEP_MS" in line:
+            return json.loads(line.split("STEP_MS", 1)[1])
+    raise RuntimeError(f"no STEP_MS in output:\n{text}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    source = body(backend, args.steps)
+
+    from taas.session import Session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "job.py")
+        with open(script, "w") as f:
+            f.write(source)
+        torchrun, cold, warm = [], [], []
+        for _ in range(args.repeat):  # interleaved, so drift on a shared machine hits all alike
+            torchrun.append(run_torchrun(script, args.ranks))
+            session = Session()
+            try:
+                cold.append(run_taas(session, source, args.ranks, args.device))
+                warm.append(run_taas(session, source, args.ranks, args.device))
+            finally:
+                session.close()
+
+    def med(rows, i):
+        return statistics.median(r[i] for r in rows)
+
+    print(f"{args.ranks} ranks, {backend}, {args.steps} DDP steps, median of {args.repeat} runs")
+    print(f"  wall   torchrun {med(torchrun, 0):7.3f} s | taas cold {med(cold, 0):7.3f} s | taas warm {med(warm, 0):7.3f} s")
+    print(f"  step   torchrun {med(torchrun, 1):7.3f} ms | taas cold {med(cold, 1):7.3f} ms | taas warm {med(warm, 1):7.3f} ms")
+    print(f"  ratio  cold/torchrun = {med(cold, 0) / med(torchrun, 0):.3f}   (goal <= 0.5)")
+    print(f"  ratio  warm/torchrun = {med(warm, 0) / med(torchrun, 0):.3f}   (goal <= 0.05)")
+    step_ratio = statistics.median([w[1] for w in warm]) / med(torchrun, 1)
+    print(f"  ratio  step taas/torchrun = {step_ratio:.3f}   (goal <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()
