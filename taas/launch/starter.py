@@ -41,6 +41,7 @@ PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
+    "torch._dynamo",  # DistributedDataParallel imports it on first use: 1.6 s per rank otherwise
     "torch.utils.data",
     "cloudpickle",
     "taas.worker.rank",
