@@ -158,6 +158,10 @@ def _teardown(ok: bool) -> None:
     sys.stderr.flush()
     if ok and dist.is_initialized():
         try:
+            # No rank leaves while a peer still sets up its connections to it: gloo's
+            # init can return on one rank before the other finished connecting, and a rank
+            # that then exits makes the other's init fail with "Connection closed by peer".
+            dist.barrier()
             dist.destroy_process_group()
         except Exception:
-            pass
+            pass  # a peer failed; the supervisor reports that failure, not this one
