@@ -52,6 +52,7 @@ class JobStats:
     outcome: str = "running"
     exit_codes: dict = field(default_factory=dict)
     loaders: list[str] = field(default_factory=list)
+    config: str | None = None  # DataSphere '#!NAME' configuration line, if the cell had one
 
 
 def cuda_device_count() -> int:
@@ -94,7 +95,8 @@ class Session:
 
         job_id = uuid.uuid4().hex[:12]
         job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
-        stats = self.last = JobStats(job_id, world, device, backend, loaders=sorted(loaders))
+        stats = self.last = JobStats(job_id, world, device, backend, loaders=sorted(loaders),
+                                     config=options.config)
         store = handle = None
         started = time.monotonic()
         try:

@@ -25,5 +25,9 @@ def render(session) -> str:
         lines.append(
             f"last job {last.job_id}: {last.outcome}, {last.world_size} rank(s) on "
             f"{last.device}/{last.backend}, {last.wall_s:.2f} s"
+            + (f", DataSphere configuration #!{last.config}" if last.config else "")
         )
+        codes = ", ".join(f"{k}={v}" for k, v in sorted(last.exit_codes.items()))
+        if codes:
+            lines.append(f"  exit codes: {codes}")
     return "\n".join(lines)

@@ -128,7 +128,16 @@ class LocalLauncher(Launcher):
             for j, stream in enumerate(_STREAMS):
                 readers[pipes[3 * i + j][0]] = (proc.key, stream)
         job = LocalJob(self, spec.job_id, readers)
-        job._await_spawned()
+        try:
+            job._await_spawned()
+        except BaseException:  # interrupted or failed while starting: leave nothing running
+            if self._conn is not None:
+                try:
+                    self._conn.send(("stop", spec.job_id, 0.0))
+                except OSError:
+                    pass
+            job.close()
+            raise
         return job
 
 
