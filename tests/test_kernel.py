@@ -318,3 +318,60 @@ def test_unload_removes_magics(workdir):
         assert run.status == "error" and "taas" in run.stderr
     finally:
         k.shutdown()
+
+
+def test_show_filter_hides_other_ranks_until_a_failure(kernel, clean):
+    ok = kernel.run("%%taas --gpus 2 --show 0\nimport os\nprint('hello from', os.environ['RANK'])")
+    assert ok.error is None, ok.traceback
+    assert "[rank0] hello from 0" in ok.stdout and "hello from 1" not in ok.stdout
+    bad = kernel.run(cell("""
+        %%taas --gpus 2 --show 0
+        import os, torch.distributed as dist
+        print('rank', os.environ['RANK'], 'was here')
+        if os.environ['RANK'] == '1':
+            raise RuntimeError('hidden rank failed')
+        dist.barrier()
+        """))
+    assert bad.status == "error"
+    assert "[rank1] rank 1 was here" in bad.stdout  # replayed because the job failed
+
+
+def test_progress_bars_update_in_place(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --show 0
+        import sys, time
+        for i in range(1, 21):
+            sys.stderr.write(f"\\rprogress {i}/20")
+            sys.stderr.flush()
+            time.sleep(0.02)
+        sys.stderr.write("\\n")
+        print("done")
+        """))
+    assert run.error is None, run.traceback
+    assert "progress" not in run.stderr  # not flooded into the stream
+    texts = [data.get("text/plain", "") for _, data in run.displays]
+    assert texts and texts[-1] == "[rank0] progress 20/20"
+    assert len(texts) < 20  # throttled
+    assert "[rank0] done" in run.stdout
+
+
+def test_rank_zero_display_and_figures_reach_the_notebook(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        import matplotlib.pyplot as plt
+        display({"rank": 0})
+        plt.plot([1, 2, 3])
+        plt.show()
+        """))
+    assert run.error is None, run.traceback
+    kinds = [data for kind, data in run.displays if kind == "display_data"]
+    assert any("image/png" in d for d in kinds), kinds
+    assert sum("'rank': 0" in d.get("text/plain", "") for d in kinds) == 1  # rank 0 only
+    assert "[rank1] {'rank': 0}" in run.stdout  # other ranks print it, tagged
+
+
+def test_values_that_cannot_come_back_are_skipped_with_a_note(kernel, clean):
+    run = kernel.run("%%taas --gpus 2\nimport threading\nlock = threading.Lock()\nkept = 41 + 1")
+    assert run.error is None, run.traceback
+    assert "`lock` was not brought back" in run.stderr
+    assert kernel.run("print(kept)").stdout.strip() == "42"
