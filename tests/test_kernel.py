@@ -291,8 +291,12 @@ def test_killed_kernel_leaves_no_worker(workdir):
         time.sleep(1)
         tree = [p.pid for p in k.descendants()]
         assert len(tree) >= 3, tree  # start process + 2 ranks
+        job_dirs = {os.path.dirname(f.path) for p in k.descendants() for f in p.open_files()
+                    if f.path.endswith(".fault")}  # each rank keeps its faulthandler file open
+        assert len(job_dirs) == 1 and all(os.path.isdir(d) for d in job_dirs)
         os.kill(k.pid, signal.SIGKILL)
         assert wait_until_gone(tree, timeout=5) == []
+        assert not any(os.path.exists(d) for d in job_dirs), "the job directory was left behind"
     finally:
         k.shutdown()
 

@@ -113,7 +113,7 @@ class LocalLauncher(Launcher):
         except OSError as exc:
             raise LaunchError(f"could not start the job: {exc}") from None
         try:
-            conn.send(("spawn", spec.job_id, spec.cwd, list(spec.processes)))
+            conn.send(("spawn", spec.job_id, spec.cwd, spec.job_dir, list(spec.processes)))
             socket.send_fds(self._sock, [b"f"], [w for _, w in pipes])
         except OSError as exc:
             for r, w in pipes:

@@ -10,7 +10,7 @@ namespaces (see :mod:`taas.worker.storage`).
 Protocol, over a private Unix socketpair inherited from the kernel (no address anyone else
 can reach; pickles only ever cross between these two processes)::
 
-    kernel -> starter   ("spawn", job_id, cwd, [ProcessSpec...])  then, as ancillary data
+    kernel -> starter   ("spawn", job_id, cwd, job_dir, [ProcessSpec...])  then, as ancillary data
                         on the same socket, three write-end fds per process
                         (stdout, stderr, events)
     starter -> kernel   ("spawned", job_id, {key: pid})  or  ("error", job_id, message)
@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -57,8 +58,9 @@ def _prctl(option: int, value: int) -> None:
 
 
 class _Job:
-    def __init__(self, job_id: str):
+    def __init__(self, job_id: str, job_dir: str):
         self.job_id = job_id
+        self.job_dir = job_dir  # the kernel removes it; we do if the kernel died first
         self.live: dict[int, str] = {}  # pid -> key
         self.kill_at: float | None = None  # SIGKILL deadline once a stop was asked
         self.stop_asked = False
@@ -87,6 +89,7 @@ class Starter:
                 return self.shutdown()
 
     def shutdown(self) -> None:
+        job_dirs = [job.job_dir for job in self.jobs.values()]
         for job in self.jobs.values():
             self._signal_job(job, signal.SIGKILL)
         self._kill_orphans()
@@ -94,11 +97,13 @@ class Starter:
         while any(j.live for j in self.jobs.values()) and time.monotonic() < deadline:
             self._reap(report=False)
             time.sleep(0.01)
+        for job_dir in job_dirs:  # the kernel cannot clean up after itself any more
+            shutil.rmtree(job_dir, ignore_errors=True)
 
     # -- messages --------------------------------------------------------------------------
-    def _on_spawn(self, job_id: str, cwd: str, specs: list) -> None:
+    def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list) -> None:
         _, fds, _, _ = socket.recv_fds(self.sock, 1, 3 * len(specs))
-        job = self.jobs[job_id] = _Job(job_id)
+        job = self.jobs[job_id] = _Job(job_id, job_dir)
         pids: dict[str, int] = {}
         starter = os.getpid()
         try:
