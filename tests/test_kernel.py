@@ -379,3 +379,17 @@ def test_values_that_cannot_come_back_are_skipped_with_a_note(kernel, clean):
     assert run.error is None, run.traceback
     assert "`lock` was not brought back" in run.stderr
     assert kernel.run("print(kept)").stdout.strip() == "42"
+
+
+def test_accelerate_runs_as_the_job_ranks(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        import os, torch
+        from accelerate import Accelerator
+        acc = Accelerator(cpu=True)
+        model, opt = acc.prepare(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
+        print("accelerate", acc.process_index, "of", acc.num_processes, os.getppid() != os.getpid())
+        """))
+    assert run.error is None, run.traceback
+    assert "[rank0] accelerate 0 of 2 True" in run.stdout
+    assert "[rank1] accelerate 1 of 2 True" in run.stdout
