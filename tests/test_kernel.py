@@ -388,8 +388,8 @@ def test_accelerate_runs_as_the_job_ranks(kernel, clean):
         from accelerate import Accelerator
         acc = Accelerator(cpu=True)
         model, opt = acc.prepare(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
-        print("accelerate", acc.process_index, "of", acc.num_processes, os.getppid() != os.getpid())
+        print("accelerate", acc.process_index, "of", acc.num_processes, "rank", os.environ["RANK"])
         """))
     assert run.error is None, run.traceback
-    assert "[rank0] accelerate 0 of 2 True" in run.stdout
-    assert "[rank1] accelerate 1 of 2 True" in run.stdout
+    assert "[rank0] accelerate 0 of 2 rank 0" in run.stdout
+    assert "[rank1] accelerate 1 of 2 rank 1" in run.stdout
