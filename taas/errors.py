@@ -7,10 +7,9 @@ Every error a user can meet says, in one line, what is wrong and what to do.
     ├── PackagingError     a value the cell reads cannot be shipped to the ranks (before launch)
     ├── RegistrationError  taas.register() refused a loader
     ├── LaunchError        the ranks could not be started at all
-    └── JobFailed          a rank or loader worker failed; renders the root cause's traceback
-
-``JobFailed`` implements IPython's ``_render_traceback_`` hook (as ipyparallel's RemoteError
-does), so a notebook shows the failing rank's traceback, not the kernel-side frames of taas.
+    └── RenderedError      shown by its own rendering, not kernel-side frames
+        ├── CellSyntaxError    the cell body does not compile (before launch)
+        └── JobFailed          a rank or loader worker failed; the root cause's traceback
 """
 
 from __future__ import annotations
@@ -36,24 +35,34 @@ class LaunchError(TaasError):
     """The job's processes could not be started."""
 
 
-class JobFailed(TaasError):
-    """A job ended in failure.
+class RenderedError(TaasError):
+    """An error that knows how a notebook should show it.
 
-    ``report`` is a :class:`taas.io.report.FailureReport`-like object that knows how to render
-    the root cause's traceback and one line per other process; it is kept opaque here so this
-    module stays free of imports.
+    ``str()`` is the one-line summary (a notebook's "evalue"); ``rendered`` is what IPython's
+    ``_render_traceback_`` hook shows instead of kernel-side frames, as ipyparallel's
+    RemoteError does.  Plain Python prints the rendering as an exception note.
     """
 
-    def __init__(self, summary: str, rendered: list[str] | None = None, report=None):
-        super().__init__(summary)  # str(): the one-line summary (a notebook's "evalue")
+    def __init__(self, summary: str, rendered: list[str] | None = None):
+        super().__init__(summary)
         self.summary = summary
         self.rendered = rendered or [summary]
-        self.report = report
         if len(self.rendered) > 1 and hasattr(self, "add_note"):
-            # Plain Python prints notes under the exception line: the whole story there too.
             import re
 
             self.add_note(re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(self.rendered[1:])))
 
     def _render_traceback_(self) -> list[str]:
         return list(self.rendered)
+
+
+class CellSyntaxError(RenderedError):
+    """The cell body is not valid Python. Nothing was started."""
+
+
+class JobFailed(RenderedError):
+    """A job ended in failure; ``report`` is the root cause's ``ProcessEnd``."""
+
+    def __init__(self, summary: str, rendered: list[str] | None = None, report=None):
+        super().__init__(summary, rendered)
+        self.report = report

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from taas import directive
-from taas.errors import JobFailed
+from taas.errors import CellSyntaxError, JobFailed
 from taas.io import failure
 from taas.io.output import OutputRouter, Sink, TerminalSink
 from taas.job import analysis, package
@@ -85,8 +85,11 @@ class Session:
         sink = sink or TerminalSink()
         world, device, backend, note = directive.resolve_world(options, cuda_device_count())
         notes_before = [note] if note else []
+        try:
+            analysis.compile_cell(source, filename, first_line)
+        except SyntaxError as exc:
+            raise _syntax_error(exc, name_for) from None
         cell = analysis.analyse(source)
-        analysis.compile_cell(source, filename, first_line)  # a SyntaxError stops us here
         values = package.select(cell.free, namespace, hidden)
         loaders = self._data_plane(values, options, world)
         blob = package.ship(values)
@@ -254,6 +257,18 @@ class Session:
         elif raw.get("out_skipped"):
             result.notes.append(f"taas: the cell's result was not brought back: {raw['out_skipped']}")
         return result
+
+
+def _syntax_error(exc: SyntaxError, name_for) -> CellSyntaxError:
+    """The cell's SyntaxError as Python shows it, at the cell's own line, without our frames."""
+    import traceback
+
+    where = name_for(exc.filename) if name_for and exc.filename else None
+    lines = "".join(traceback.format_exception_only(SyntaxError, exc)).rstrip("\n").splitlines()
+    if where and lines and lines[0].lstrip().startswith("File "):
+        lines[0] = f"  {where}, line {exc.lineno}"
+    summary = f"SyntaxError: {exc.msg} (line {exc.lineno})"
+    return CellSyntaxError(summary, [failure.RED + summary + failure.RESET] + lines)
 
 
 def _agent_store(world: int):

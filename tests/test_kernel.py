@@ -393,3 +393,11 @@ def test_accelerate_runs_as_the_job_ranks(kernel, clean):
     assert run.error is None, run.traceback
     assert "[rank0] accelerate 0 of 2 rank 0" in run.stdout
     assert "[rank1] accelerate 1 of 2 rank 1" in run.stdout
+
+
+def test_syntax_error_points_at_the_cell_line_without_taas_frames(kernel):
+    run = kernel.run("%%taas --gpus 2\nx = 1\ny = (2 +\nprint('ran')")
+    assert run.status == "error" and run.error["ename"] == "CellSyntaxError"
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", run.traceback)
+    assert re.search(r"Cell In\[\d+\], line 3", tb), tb
+    assert "y = (2 +" in tb and "taas/" not in tb and "interactiveshell" not in tb

@@ -51,8 +51,8 @@ def compile_cell(
     Returns (body code for ``exec``, last expression code for ``eval`` or None): as in IPython,
     the value of a trailing expression statement is the cell's result.
     """
-    tree = ast.parse(source, filename)
-    ast.increment_lineno(tree, first_line - 1)
+    # Padding (rather than ast.increment_lineno) puts SyntaxErrors at the right line too.
+    tree = ast.parse("\n" * (first_line - 1) + source, filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = compile(ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
