@@ -83,8 +83,8 @@ class Session:
                  filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
                  hidden: frozenset = frozenset(), name_for=None) -> CellResult:
         sink = sink or TerminalSink()
-        world, device, backend, note = directive.resolve_world(options, cuda_device_count())
-        notes_before = [note] if note else []
+        cuda_devices = cuda_device_count()
+        world, device, backend, note = directive.resolve_world(options, cuda_devices)
         try:
             analysis.compile_cell(source, filename, first_line)
         except SyntaxError as exc:
@@ -93,8 +93,8 @@ class Session:
         values = package.select(cell.free, namespace, hidden)
         loaders = self._data_plane(values, options, world)
         blob = package.ship(values)
-        for line in notes_before:
-            sink.write("stderr", line + "\n")
+        if note:
+            sink.write("stderr", note + "\n")
 
         job_id = uuid.uuid4().hex[:12]
         job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
@@ -107,7 +107,7 @@ class Session:
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device,
                 backend=backend, pg_timeout=float(options.timeout or 1800),
-                results=options.results, results_to_cpu=cuda_device_count() == 0,
+                results=options.results, results_to_cpu=cuda_devices == 0,
                 loaders=loaders,
             )
             with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
@@ -118,19 +118,15 @@ class Session:
             show = None if options.show is None else {f"rank{r}" for r in options.show}
             router = OutputRouter(sink, [p.key for p in spec.processes], show, tag=world > 1)
             ends = self._supervise(handle, router, sink, options.timeout, started)
-            root = failure.root_cause(list(ends.values()))
             stats.exit_codes = {k: e.returncode for k, e in ends.items()}
-            if root is not None:
-                stats.outcome = "failed"
-                for end in ends.values():
-                    end.record = end.record or report.read_error(job_dir, end.key)
-                    end.fault = _read(report.fault_path(job_dir, end.key))
-                root = failure.root_cause(list(ends.values()))
+            if any(end.failed for end in ends.values()):
                 router.replay_hidden("--- recent output of {key} ---")
-                others = [e for e in ends.values() if e is not root]
-                raise JobFailed(failure.summary(root), failure.render(root, others, name_for), root)
+                raise _job_failed(job_dir, list(ends.values()), name_for)
             stats.outcome = "ok"
-            return self._results(job_dir, options, cell.has_last_expr)
+            return self._results(job_dir, options)
+        except JobFailed:
+            stats.outcome = "failed"
+            raise
         except KeyboardInterrupt:
             stats.outcome = "interrupted"
             raise
@@ -231,7 +227,7 @@ class Session:
         if message.get("kind") == "display" and hasattr(sink, "display"):
             sink.display(message.get("data", {}), message.get("metadata", {}))
 
-    def _results(self, job_dir: str, options, has_last_expr: bool) -> CellResult:
+    def _results(self, job_dir: str, options) -> CellResult:
         result = CellResult()
         if not options.results:
             return result
@@ -257,6 +253,16 @@ class Session:
         elif raw.get("out_skipped"):
             result.notes.append(f"taas: the cell's result was not brought back: {raw['out_skipped']}")
         return result
+
+
+def _job_failed(job_dir: str, ends: list, name_for) -> JobFailed:
+    """The failure report: every process's error file and fault dump, the root cause first."""
+    for end in ends:
+        end.record = report.read_error(job_dir, end.key)
+        end.fault = _read(report.fault_path(job_dir, end.key))
+    root = failure.root_cause(ends)
+    others = [end for end in ends if end is not root]
+    return JobFailed(failure.summary(root), failure.render(root, others, name_for), root)
 
 
 def _syntax_error(exc: SyntaxError, name_for) -> CellSyntaxError:
