@@ -17,6 +17,23 @@ __version__ = "0.1.0"
 
 _loaded: dict = {}
 
+# The data plane's public API (taas.register(loader), ...), imported on first use so that
+# `import taas` stays cheap (no torch).
+_DATA_API = ("register", "unregister", "is_registered", "registered", "get_worker_info", "WorkerInfo")
+__all__ = ["load_ipython_extension", "unload_ipython_extension", *_DATA_API]
+
+
+def __getattr__(name: str):
+    if name in _DATA_API:
+        from taas.data import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'taas' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_DATA_API))
+
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext taas``: the magics, the ``#pragma taas`` transformer, a warm start process."""

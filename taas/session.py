@@ -53,6 +53,7 @@ class JobStats:
     exit_codes: dict = field(default_factory=dict)
     loaders: list[str] = field(default_factory=list)
     config: str | None = None  # DataSphere '#!NAME' configuration line, if the cell had one
+    data: list[str] = field(default_factory=list)  # the data plane's summary lines
 
 
 def cuda_device_count() -> int:
@@ -91,24 +92,28 @@ class Session:
             raise _syntax_error(exc, name_for) from None
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
-        loaders = self._data_plane(values, options, world)
+        plane = self._data_plane(values, options, world, device)
         blob = package.ship(values)
         if note:
             sink.write("stderr", note + "\n")
 
         job_id = uuid.uuid4().hex[:12]
         job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
-        stats = self.last = JobStats(job_id, world, device, backend, loaders=sorted(loaders),
+        stats = self.last = JobStats(job_id, world, device, backend,
+                                     loaders=sorted(i.name for i in plane.loaders) if plane else [],
                                      config=options.config)
         store = handle = None
+        self._plane = plane
         started = time.monotonic()
         try:
+            if plane is not None:
+                plane.open(job_id, job_dir)
             payload = package.Payload(
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device,
                 backend=backend, pg_timeout=float(options.timeout or 1800),
                 results=options.results, results_to_cpu=cuda_devices == 0,
-                loaders=loaders,
+                loaders=plane.settings if plane is not None else {},
             )
             with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
                 pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -123,9 +128,16 @@ class Session:
                 router.replay_hidden("--- recent output of {key} ---")
                 raise _job_failed(job_dir, list(ends.values()), name_for)
             stats.outcome = "ok"
+            if plane is not None:
+                plane.finish(sink)
+                stats.data = plane.summary()
+                sink.write("stderr", "".join(line + "\n" for line in stats.data))
             return self._results(job_dir, options)
         except JobFailed:
             stats.outcome = "failed"
+            hung = plane.hang(options.timeout, name_for) if plane is not None else None
+            if hung is not None:
+                raise hung from None
             raise
         except KeyboardInterrupt:
             stats.outcome = "interrupted"
@@ -133,14 +145,23 @@ class Session:
         finally:
             if handle is not None:
                 handle.close()
+            if plane is not None:
+                plane.finish(sink)
+                plane.close()  # unlinks the job's shared memory
+            self._plane = None
             stats.wall_s = time.monotonic() - started
             store = None  # closes its listening port
             shutil.rmtree(job_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------
-    def _data_plane(self, values: dict, options, world: int) -> dict:
-        """Seam for registered loaders (taas.data): none yet in the core."""
-        return {}
+    _plane = None  # the running job's DataPlane, if its cell reads registered loaders
+
+    def _data_plane(self, values: dict, options, world: int, device: str):
+        """Registered loaders the cell reads leave ``values`` (loader workers get them; the
+        ranks get views): their DataPlane, or None."""
+        from taas.data.plane import DataPlane
+
+        return DataPlane.plan(values, options, world, device)
 
     def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, device: str) -> LaunchSpec:
         common = {
@@ -174,6 +195,8 @@ class Session:
                        TAAS_SCRATCH=scratch)
             processes.append(ProcessSpec(key=f"rank{rank}", entry="taas.worker.rank:main", env=env,
                                          read_only_cwd=rank != 0))
+        if self._plane is not None:
+            processes.extend(self._plane.processes(common))
         return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=os.getcwd(), processes=tuple(processes))
 
     def _supervise(self, handle, router: OutputRouter, sink, timeout: float | None, started: float):
@@ -194,6 +217,8 @@ class Session:
                 router.tick()
                 if timeout is not None and not stopping and time.monotonic() - started > timeout:
                     stopping = True
+                    if self._plane is not None:
+                        self._plane.note_timeout()  # who waited for which loader, before the stop
                     handle.stop(STOP_GRACE)
                     for event in handle.drain():
                         if isinstance(event, OutputChunk):
@@ -226,6 +251,8 @@ class Session:
     def _on_event(self, key: str, message: dict, sink) -> None:
         if message.get("kind") == "display" and hasattr(sink, "display"):
             sink.display(message.get("data", {}), message.get("metadata", {}))
+        elif str(message.get("kind")).startswith("data.") and self._plane is not None:
+            self._plane.on_event(key, message, sink)
 
     def _results(self, job_dir: str, options) -> CellResult:
         result = CellResult()

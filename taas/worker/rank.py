@@ -154,6 +154,9 @@ def _to_cpu(value):
 
 
 def _teardown(ok: bool) -> None:
+    views = sys.modules.get("taas.data.view")
+    if views is not None:  # first: loader workers must not wait for a rank that is leaving
+        views.close_views()
     sys.stdout.flush()
     sys.stderr.flush()
     if ok and dist.is_initialized():

@@ -1,0 +1,247 @@
+"""The kernel side of the data plane, one per job that reads registered loaders.
+
+    DataPlane.plan(values, options, world, device)   before packaging: which registered loaders
+        the cell reads (taken out of ``values``: the loader goes to loader workers, the ranks get
+        a view), K, prefetch; a loader without len() and no --units is a DirectiveError
+    .open(job_id, job_dir)        loader pickles, one shared-memory header per loader, FIFOs
+    .settings                     name -> what a rank's view needs (Payload.loaders)
+    .processes(env)               the loader workers' ProcessSpecs (``loader:NAME:w``)
+    .on_event(key, message, sink) workers' progress -> an in-place "units ready / K" line;
+                                  ranks' figures -> the summary
+    .summary()                    one line per loader after the job
+    .note_timeout(), .hang(...)   at --timeout: was a loader worker the culprit?
+    .close()                      unlink every segment of the job (headers and blocks)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+
+from taas.data import plan as numbering
+from taas.data import registry, shm
+from taas.errors import JobFailed, PackagingError
+from taas.launch.api import ProcessSpec
+
+DEFAULT_BUFFER_MB = 256
+PROGRESS_INTERVAL = 0.1
+
+
+@dataclass
+class _Loader:
+    name: str
+    names: list
+    entry: registry.Entry
+    length: int | None = None
+    plan: numbering.Plan | None = None
+    segment: shm.Segment | None = None
+    cfg: dict = field(default_factory=dict)
+    produced: dict = field(default_factory=dict)  # worker -> units produced
+    ready: set = field(default_factory=set)  # workers with their first slice ready
+    ready_at: float | None = None
+    stats: dict = field(default_factory=dict)  # rank -> figures it reported
+    shown_at: float = 0.0
+
+
+class DataPlane:
+    def __init__(self, loaders: list[_Loader], world: int, device: str):
+        self.loaders = loaders
+        self.world = world
+        self.device = device
+        self.job_id: str | None = None
+        self.job_dir: str | None = None
+        self.opened_at = time.monotonic()
+        self.settings: dict[str, dict] = {}
+
+    # -- before launch ---------------------------------------------------------------------
+    @classmethod
+    def plan(cls, values: dict, options, world: int, device: str) -> "DataPlane | None":
+        """Take the registered loaders out of ``values``; None if the cell reads none."""
+        found: dict[int, _Loader] = {}
+        for name in list(values):
+            entry = registry.entry(values[name])
+            if entry is None:
+                continue
+            item = found.setdefault(id(entry.loader), _Loader(name, [], entry))
+            item.names.append(name)
+            del values[name]
+        if not found:
+            return None
+        for item in found.values():
+            item.length = _len(item.entry.loader)
+            units = numbering.resolve_units(options.units, item.length, item.name)
+            prefetch = numbering.default_prefetch(units, world, options.cpus, item.entry.prefetch)
+            item.plan = numbering.Plan(units, options.cpus, world, prefetch)
+        return cls(list(found.values()), world, device)
+
+    def open(self, job_id: str, job_dir: str) -> None:
+        import cloudpickle
+        import torch
+
+        self.job_id, self.job_dir = job_id, job_dir
+        # Like a DataLoader's iter(): one draw from the kernel's torch RNG, so that a fixed
+        # torch.manual_seed gives the same units to the same ranks, run after run.
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        for index, item in enumerate(self.loaders):
+            path = os.path.join(job_dir, f"loader-{index}.pkl")
+            try:
+                blob = cloudpickle.dumps(item.entry.loader, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise PackagingError(f"cannot send registered loader `{item.name}` to loader workers: "
+                                     f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            with open(path, "wb") as f:
+                f.write(blob)
+            plan = item.plan
+            pairs = plan.pairs()
+            buffer_mb = item.entry.buffer_mb or DEFAULT_BUFFER_MB
+            layout = shm.Layout(plan.workers, len(pairs), int(buffer_mb * 2**20) // len(pairs))
+            item.segment = shm.Segment.create(shm.segment_name(job_id, index), layout)
+            fifos = {c: shm.make_fifos(job_dir, index, c) for c in range(len(pairs))}
+            loader = item.entry.loader
+            common = dict(name=item.name, units=plan.units, workers=plan.workers, ranks=plan.ranks,
+                          prefetch=plan.prefetch, segment=item.segment.name, fifos=fifos)
+            item.cfg = dict(common, pickle=path, seed=seed)
+            self.settings[item.name] = dict(
+                common, names=list(item.names), length=item.length,
+                batch_size=getattr(loader, "batch_size", None),
+                dataset_len=_len(getattr(loader, "dataset", None)),
+                dataset_type=type(getattr(loader, "dataset", loader)).__name__,
+                pin_memory=bool(getattr(loader, "pin_memory", False)) and self.device == "cuda",
+            )
+
+    def processes(self, env: dict) -> list[ProcessSpec]:
+        out = []
+        for item in self.loaders:
+            for worker in range(item.plan.workers):
+                out.append(ProcessSpec(
+                    key=f"loader:{item.name}:{worker}", entry="taas.data.worker:main",
+                    env=dict(env, OMP_NUM_THREADS="1"), read_only_cwd=True,
+                    args=(dict(item.cfg, worker=worker),),
+                ))
+        return out
+
+    # -- while it runs ---------------------------------------------------------------------
+    def on_event(self, key: str, message: dict, sink) -> None:
+        item = next((i for i in self.loaders if i.name == message.get("loader")), None)
+        if item is None:
+            return
+        kind = message.get("kind")
+        if kind == "data.progress":
+            item.produced[message["worker"]] = message["produced"]
+            if message.get("ready"):
+                item.ready.add(message["worker"])
+            self._show(item, sink)
+        elif kind == "data.stats":
+            item.stats[message["rank"]] = message
+
+    def _show(self, item: _Loader, sink, final: bool = False) -> None:
+        if item.ready_at is not None:
+            return  # already settled
+        now = time.monotonic()
+        done = len(item.ready) >= item.plan.workers
+        if not (done or final) and now - item.shown_at < PROGRESS_INTERVAL:
+            return
+        item.shown_at = now
+        ready, total = sum(item.produced.values()), item.plan.units
+        filled = int(20 * ready / total) if total else 20
+        bar = "█" * filled + "·" * (20 - filled)
+        text = f"taas: loader `{item.name}` {bar} {ready}/{total} units ready"
+        if done:
+            item.ready_at = now
+            text += f" after {now - self.opened_at:.2f} s; ranks start, loading goes on"
+        if hasattr(sink, "progress"):
+            sink.progress(f"data:{item.name}", "stderr", text, final=done or final)
+
+    def finish(self, sink) -> None:
+        """Settle progress lines still open (a job that ended during prefetch)."""
+        for item in self.loaders:
+            if item.ready_at is None and item.shown_at:
+                self._show(item, sink, final=True)
+                item.ready_at = time.monotonic()
+
+    def summary(self) -> list[str]:
+        lines = []
+        for item in self.loaders:
+            if not item.stats:
+                continue
+            stats = item.stats.values()
+            units = sum(s["units"] for s in stats)
+            megabytes = sum(s["bytes"] for s in stats) / 1e6
+            elapsed = sum(s["elapsed_s"] for s in stats)
+            waited = sum(s["wait_s"] for s in stats) / elapsed if elapsed > 0 else 0.0
+            plan = item.plan
+            lines.append(
+                f"taas: loader `{item.name}`: {units}/{plan.units} units delivered to "
+                f"{plan.ranks} rank{'s' * (plan.ranks != 1)} by {plan.workers} "
+                f"worker{'s' * (plan.workers != 1)}, {megabytes:.1f} MB moved; ranks waited for "
+                f"data {waited:.1%} of the time")
+        return lines
+
+    # -- failure ---------------------------------------------------------------------------
+    def snapshot(self) -> list[dict]:
+        """Who waits for what, now: ranks waiting for units and what their workers do."""
+        now = time.monotonic()
+        out = []
+        for item in self.loaders:
+            seg, plan = item.segment, item.plan
+            if seg is None:
+                continue
+            pairs = plan.pairs()
+            for channel, (worker, rank) in enumerate(pairs):
+                want = seg.channel(channel, shm.C_WANT)
+                if not want:
+                    continue
+                out.append(dict(
+                    loader=item.name, rank=rank, worker=worker, unit=want - 1,
+                    waited=now - seg.want_since(channel),
+                    state=seg.worker(worker, shm.W_STATE), worker_unit=seg.worker(worker, shm.W_UNIT),
+                    busy=now - seg.worker_since(worker),
+                ))
+        return out
+
+    def note_timeout(self) -> None:
+        """The job hit --timeout: remember who was waiting for what, before it is stopped."""
+        self._timeout_snapshot = self.snapshot()
+
+    def hang(self, timeout: float | None, name_for=None) -> JobFailed | None:
+        """After --timeout: if a rank was waiting for a unit its loader worker was still
+        loading, the loader hangs -- say so, with the worker's stack when it was stopped."""
+        from taas.io import failure
+        from taas.worker import report
+
+        snapshot = getattr(self, "_timeout_snapshot", None)
+        if not snapshot or timeout is None:
+            return None
+        stuck = [s for s in snapshot if s["state"] == shm.LOADING]
+        if not stuck:
+            return None
+        s = max(stuck, key=lambda s: s["busy"])
+        key = f"loader:{s['loader']}:{s['worker']}"
+        message = (f"the job ran past --timeout {timeout:g}s: loader `{s['loader']}` worker "
+                   f"{s['worker']} ({key}) spent {s['busy']:.1f} s loading unit {s['worker_unit']} "
+                   f"while rank{s['rank']} waited {s['waited']:.1f} s for unit {s['unit']}")
+        end = failure.ProcessEnd(key, 1, time.time(), record=report.read_error(self.job_dir, key))
+        lines = failure.render(end, [], name_for)
+        return JobFailed(message, [f"{failure.RED}{failure.BOLD}{message}{failure.RESET}"] + lines[1:], end)
+
+    def close(self) -> None:
+        for item in self.loaders:
+            if item.segment is not None:
+                try:
+                    item.segment.close()
+                except Exception:
+                    pass
+                item.segment = None
+        if self.job_id:
+            shm.unlink_job(self.job_id)
+
+
+def _len(obj) -> int | None:
+    if obj is None:
+        return None
+    try:
+        return len(obj)
+    except Exception:
+        return None

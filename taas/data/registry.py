@@ -1,0 +1,185 @@
+"""``taas.register(loader)`` and friends: which loaders the data plane serves.
+
+A registered loader stays registered (a strong reference, by identity) until
+``taas.unregister``.  Registration checks what would otherwise fail later, inside a loader
+worker: the loader must be iterable, must not be a one-shot iterator, and must survive a
+cloudpickle round trip (that is how it travels to the loader workers).  No torch import here.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from taas.errors import RegistrationError
+
+__all__ = ["WorkerInfo", "register", "unregister", "is_registered", "registered", "get_worker_info"]
+
+
+class WorkerInfo(NamedTuple):
+    """Who this rank is, as DataSphere's client reports it: ``id`` = RANK, ``num_workers`` =
+    WORLD_SIZE."""
+
+    id: int
+    num_workers: int
+
+
+@dataclass
+class Entry:
+    loader: object
+    prefetch: int | None = None  # units ready before the ranks start (None: automatic)
+    buffer_mb: float | None = None  # bytes in flight to the ranks (None: automatic)
+
+
+_entries: dict[int, Entry] = {}  # id(loader) -> Entry; insertion order = registration order
+
+
+def register(loader, *, prefetch: int | None = None, buffer_mb: float | None = None) -> None:
+    """Serve ``loader`` through the data plane in every taas cell that reads it.
+
+    In a cell run with ``--gpus N --cpus M --units K`` the loader's name is, in each rank, a view
+    that yields that rank's share of K units produced by M loader worker processes.
+
+    ``prefetch``: how many units must be ready before the ranks start (default: a tenth of K,
+    or less when the buffer fills first).  ``buffer_mb``: how many MB of units may wait for the
+    ranks (default 256); loader workers block when it is full.
+    """
+    if id(loader) in _entries:
+        raise RegistrationError(f"{_describe(loader)} is already registered; "
+                                "taas.unregister() it first to register it again")
+    kind = type(loader)
+    if not (hasattr(kind, "__iter__") or hasattr(kind, "__getitem__")):
+        raise RegistrationError(f"cannot register {_describe(loader)}: it is not iterable "
+                                "(register a DataLoader, a Dataset or any object a `for` loop takes)")
+    if hasattr(kind, "__next__") or _is_generator(loader):
+        raise RegistrationError(f"cannot register {_describe(loader)}: it is an iterator, good for "
+                                "one pass only; register the iterable it comes from (a DataLoader, "
+                                "a list, an object whose __iter__ starts a new pass)")
+    if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+        raise RegistrationError(f"prefetch must be a positive number of units, got {prefetch!r}")
+    if buffer_mb is not None and not (isinstance(buffer_mb, (int, float)) and buffer_mb > 0):
+        raise RegistrationError(f"buffer_mb must be a positive number, got {buffer_mb!r}")
+    _check_round_trip(loader)
+    _entries[id(loader)] = Entry(loader, prefetch, buffer_mb)
+
+
+def unregister(loader) -> None:
+    """Stop serving ``loader``: taas cells get the plain object again."""
+    if _entries.pop(id(loader), None) is None:
+        raise RegistrationError(f"{_describe(loader)} is not registered")
+
+
+def is_registered(loader) -> bool:
+    return id(loader) in _entries
+
+
+def entry(loader) -> Entry | None:
+    """The registration of ``loader`` (by identity), or None."""
+    found = _entries.get(id(loader))
+    return found if found is not None and found.loader is loader else None
+
+
+def registered() -> list[str]:
+    """The registered loaders: their names in the notebook when IPython runs us, else reprs."""
+    names_of: dict[int, list[str]] = {}
+    namespace = _user_namespace()
+    for name, value in (namespace or {}).items():
+        if not name.startswith("_") and id(value) in _entries and _entries[id(value)].loader is value:
+            names_of.setdefault(id(value), []).append(name)
+    out = []
+    for key, item in _entries.items():
+        names = names_of.get(key)
+        out.extend(sorted(names) if names else [_describe(item.loader)])
+    return out
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """In a rank of a taas job: ``WorkerInfo(id=RANK, num_workers=WORLD_SIZE)``; else None."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    try:
+        return WorkerInfo(int(rank), int(world))
+    except ValueError:
+        return None
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _describe(loader) -> str:
+    kind = type(loader)
+    name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
+    return f"this {name}"
+
+
+def _is_generator(value) -> bool:
+    import types
+
+    return isinstance(value, (types.GeneratorType, types.AsyncGeneratorType))
+
+
+def _user_namespace() -> dict | None:
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    shell = ipython.get_ipython()
+    return getattr(shell, "user_ns", None)
+
+
+def _check_round_trip(loader) -> None:
+    import cloudpickle
+
+    try:
+        blob = cloudpickle.dumps(loader, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        where, culprit = _culprit(loader)
+        found = f" (`{where}` is {_type_name(culprit)})" if where else ""
+        raise RegistrationError(
+            f"cannot register {_describe(loader)}: it cannot be shipped to loader workers"
+            f"{found}: {_first_line(exc)}. Create such objects lazily inside the dataset "
+            "(e.g. open files in __getitem__), not when the loader is built") from None
+    try:
+        cloudpickle.loads(blob)
+    except Exception as exc:
+        raise RegistrationError(
+            f"cannot register {_describe(loader)}: it pickles but does not unpickle, so loader "
+            f"workers could not rebuild it: {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _culprit(value, path: str = "loader", depth: int = 0, seen: set | None = None):
+    """(attribute path, value) of the innermost attribute that cannot be pickled."""
+    import cloudpickle
+
+    seen = seen if seen is not None else set()
+    if depth > 4 or id(value) in seen:
+        return None, None
+    seen.add(id(value))
+    children = []
+    if isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        try:
+            children = [(f"{path}.{k}", v) for k, v in vars(value).items()]
+        except TypeError:
+            pass
+    for child_path, child in children:
+        try:
+            cloudpickle.dumps(child)
+        except Exception:
+            deeper = _culprit(child, child_path, depth + 1, seen)
+            return deeper if deeper[0] else (child_path, child)
+    return None, None
+
+
+def _type_name(value) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]

@@ -1,0 +1,159 @@
+"""In a rank: a registered loader's name is a :class:`LoaderView` of this rank's units.
+
+Rank r of N takes units u = r, r+N, r+2N, ... < K in order.  Each ``for`` over the view yields
+the rank's units of one pass and stops at the pass's end (which the loader workers announce);
+the next ``for`` goes on with the next pass, until K units are used up.  A ``for`` left early
+(``break``) is resumed by the next one, so no unit is lost.  ``len(view)`` is what the next
+``for`` yields.
+
+:func:`install_views` (called by the rank runtime before the cell runs) waits until every
+loader worker has its first slice ready, so the cell starts with data at hand.
+:func:`close_views` (at the rank's exit) tells the workers this rank is gone and sends the
+figures the notebook's summary line shows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from taas.data import shm
+from taas.data.plan import Plan, share
+from taas.data.transport import PASS_END
+from taas.worker import events
+
+_views: list["LoaderView"] = []
+
+
+def install_views(loaders: dict, namespace: dict) -> None:
+    rank = int(os.environ["RANK"])
+    started = time.perf_counter()
+    for cfg in loaders.values():
+        view = LoaderView(cfg, rank)
+        _views.append(view)
+        for alias in cfg["names"]:
+            namespace[alias] = view
+    for view in _views:
+        view._await_prefetch()
+    waited = time.perf_counter() - started
+    for view in _views:
+        view._started = time.perf_counter()
+        events.send("data.started", loader=view.name, rank=rank, prefetch_s=waited)
+
+
+def close_views() -> None:
+    """This rank is done with its views (whatever happened): stats out, channels closed."""
+    while _views:
+        view = _views.pop()
+        try:
+            view._close()
+        except Exception:
+            pass
+
+
+class _DatasetInfo:
+    """``view.dataset`` in a rank: the dataset's length (the dataset stays in the workers)."""
+
+    def __init__(self, length: int | None, kind: str):
+        self._length, self._kind = length, kind
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(f"the registered loader's {self._kind} has no len()")
+        return self._length
+
+    def __repr__(self) -> str:
+        return f"<{self._kind} of a registered loader: {self._length} samples, in the loader workers>"
+
+
+class LoaderView:
+    def __init__(self, cfg: dict, rank: int):
+        self.name = cfg["name"]
+        self.rank = rank
+        self._plan = Plan(cfg["units"], cfg["workers"], cfg["ranks"], cfg["prefetch"])
+        self._length = cfg["length"]
+        self.batch_size = cfg.get("batch_size")
+        self.dataset = _DatasetInfo(cfg.get("dataset_len"), cfg.get("dataset_type", "dataset"))
+        self._seg = shm.Segment.attach(cfg["segment"])
+        self._rx = {}
+        self._channel = {}
+        for worker in self._plan.workers_of(rank):
+            channel = self._plan.channel(worker, rank)
+            self._channel[worker] = channel
+            self._rx[worker] = shm.ShmReceiver(self._seg, channel, tuple(cfg["fifos"][channel]),
+                                               cfg.get("pin_memory", False))
+        self._next = rank  # the next unit this rank takes
+        self._pass = 0  # the pass the next `for` iterates
+        self._starts = {0: 0}  # pass -> its first unit
+        self._units = self._bytes = 0
+        self._wait = 0.0
+        self._started = time.perf_counter()
+        self._closed = False
+
+    # -- the loader interface --------------------------------------------------------------
+    def __iter__(self):
+        return self._iterate()
+
+    def _iterate(self):
+        plan, p = self._plan, self._pass
+        while not self._closed:
+            u = self._next
+            end = self._starts.get(p + 1)
+            if u >= plan.units or (end is not None and u >= end):
+                self._pass = p + 1
+                self._starts.setdefault(p + 1, min(u, plan.units))
+                return
+            worker = u % plan.workers
+            rx = self._rx[worker]
+            waited = time.perf_counter()
+            self._seg.set_want(self._channel[worker], u)
+            header = rx.peek()
+            self._seg.set_want(self._channel[worker], None)
+            self._wait += time.perf_counter() - waited
+            if header.kind == PASS_END:
+                rx.skip()
+                self._starts.setdefault(header.aux + 1, header.unit)
+                continue
+            if header.unit != u:  # pragma: no cover - a broken invariant, never user error
+                raise RuntimeError(f"taas data plane: expected unit {u} of `{self.name}`, got {header.unit}")
+            value, nbytes = rx.take()
+            self._next += plan.ranks
+            self._units += 1
+            self._bytes += nbytes
+            yield value
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(f"loader `{self.name}` has no len(): its passes have no known size")
+        start = self._starts.get(self._pass, self._next)
+        end = self._starts.get(self._pass + 1, start + self._length)
+        return share(self._next, min(end, self._plan.units), self.rank, self._plan.ranks)
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__") or "name" not in self.__dict__:
+            raise AttributeError(attr)
+        raise AttributeError(
+            f"`{self.name}` is a view of a registered loader in this rank (the loader itself runs "
+            f"in loader workers): it has no attribute {attr!r}; iterate it, or use len() or "
+            ".dataset / .batch_size")
+
+    def __repr__(self) -> str:
+        left = share(self._next, self._plan.units, self.rank, self._plan.ranks)
+        return (f"<taas view of loader `{self.name}`: rank {self.rank} of {self._plan.ranks}, "
+                f"{self._units} units taken, {left} to come>")
+
+    # -- life cycle ------------------------------------------------------------------------
+    def _await_prefetch(self) -> None:
+        seg, workers = self._seg, range(self._plan.workers)
+        while not all(seg.worker(w, shm.W_PREFETCHED) for w in workers):
+            time.sleep(0.005)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        elapsed = time.perf_counter() - self._started
+        for rx in self._rx.values():
+            rx.close()
+        events.send("data.stats", loader=self.name, rank=self.rank, units=self._units,
+                    bytes=self._bytes, wait_s=self._wait, elapsed_s=elapsed)
