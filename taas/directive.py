@@ -126,7 +126,7 @@ _PARSER.add_argument("--no-results", dest="results", action="store_false",
                      help="do not return rank 0's new names and last expression")
 _PARSER.add_argument("--config", metavar="NAME", type=_config,
                      help="DataSphere configuration name, as in a '#!NAME' line (shown by "
-                     "'%%taas status', otherwise ignored)")
+                     "the %%taas line magic, otherwise ignored)")
 
 HELP: str = _PARSER.format_help()
 _FLAGS = sorted(o for a in _PARSER._actions for o in a.option_strings)

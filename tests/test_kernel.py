@@ -401,3 +401,19 @@ def test_syntax_error_points_at_the_cell_line_without_taas_frames(kernel):
     tb = re.sub(r"\x1b\[[0-9;]*m", "", run.traceback)
     assert re.search(r"Cell In\[\d+\], line 3", tb), tb
     assert "y = (2 +" in tb and "taas/" not in tb and "interactiveshell" not in tb
+
+
+def test_sharded_fsdp_objects_are_skipped_with_a_note(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        import torch, torch.nn as nn
+        from torch.distributed.fsdp import fully_shard
+        m = nn.Linear(4, 4)
+        fully_shard(m)
+        opt = torch.optim.Adam(m.parameters())
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        """))
+    assert run.error is None, run.traceback
+    assert "`m` was not brought back" in run.stderr and "`opt` was not brought back" in run.stderr
+    assert "DeviceMesh" not in run.stderr

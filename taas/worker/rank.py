@@ -133,12 +133,30 @@ def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
 
     if isinstance(value, DistributedDataParallel):
         value = value.module  # the wrapper holds the process group; the model is what matters
+    if _holds_shards(value):
+        return None, (f"{type(value).__qualname__} holds sharded DTensors that belong to the "
+                      "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
     if to_cpu:
         value = _to_cpu(value)
     try:
         return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), None
     except Exception as exc:
         return None, f"{type(value).__qualname__} cannot be pickled ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})"
+
+
+def _holds_shards(value) -> bool:
+    """A module or optimizer over FSDP/DTensor parameters: its shards mean nothing outside."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, torch.nn.Module):
+        return any(isinstance(p, DTensor) for p in value.parameters())
+    if isinstance(value, torch.optim.Optimizer):
+        return any(isinstance(p, DTensor) for group in value.param_groups for p in group["params"])
+    return False
 
 
 def _to_cpu(value):
