@@ -42,6 +42,7 @@ class _Loader:
     ready: set = field(default_factory=set)  # workers with their first slice ready
     ready_at: float | None = None
     stats: dict = field(default_factory=dict)  # rank -> figures it reported
+    prefetch_s: float = 0.0  # how long the ranks waited for the first slice
     shown_at: float = 0.0
 
 
@@ -52,8 +53,8 @@ class DataPlane:
         self.device = device
         self.job_id: str | None = None
         self.job_dir: str | None = None
-        self.opened_at = time.monotonic()
         self.settings: dict[str, dict] = {}
+        self._fifo_fds: list[int] = []
 
     # -- before launch ---------------------------------------------------------------------
     @classmethod
@@ -67,6 +68,10 @@ class DataPlane:
             item = found.setdefault(id(entry.loader), _Loader(name, [], entry))
             item.names.append(name)
             del values[name]
+        for name, loader in _read_by_functions(values):
+            item = found.setdefault(id(loader), _Loader(name, [], registry.entry(loader)))
+            if name not in item.names:
+                item.names.append(name)
         if not found:
             return None
         for item in found.values():
@@ -99,6 +104,9 @@ class DataPlane:
             layout = shm.Layout(plan.workers, len(pairs), int(buffer_mb * 2**20) // len(pairs))
             item.segment = shm.Segment.create(shm.segment_name(job_id, index), layout)
             fifos = {c: shm.make_fifos(job_dir, index, c) for c in range(len(pairs))}
+            # A FIFO's bytes vanish when nobody has it open: a fast worker may send everything
+            # and exit before its rank opens the FIFO, so the kernel holds each one open.
+            self._fifo_fds += [os.open(path, os.O_RDWR | os.O_NONBLOCK) for two in fifos.values() for path in two]
             loader = item.entry.loader
             common = dict(name=item.name, units=plan.units, workers=plan.workers, ranks=plan.ranks,
                           prefetch=plan.prefetch, segment=item.segment.name, fifos=fifos)
@@ -133,6 +141,8 @@ class DataPlane:
             if message.get("ready"):
                 item.ready.add(message["worker"])
             self._show(item, sink)
+        elif kind == "data.started":
+            item.prefetch_s = max(item.prefetch_s, float(message.get("prefetch_s", 0.0)))
         elif kind == "data.stats":
             item.stats[message["rank"]] = message
 
@@ -150,7 +160,7 @@ class DataPlane:
         text = f"taas: loader `{item.name}` {bar} {ready}/{total} units ready"
         if done:
             item.ready_at = now
-            text += f" after {now - self.opened_at:.2f} s; ranks start, loading goes on"
+            text += "; ranks start, loading goes on"
         if hasattr(sink, "progress"):
             sink.progress(f"data:{item.name}", "stderr", text, final=done or final)
 
@@ -168,15 +178,15 @@ class DataPlane:
                 continue
             stats = item.stats.values()
             units = sum(s["units"] for s in stats)
-            megabytes = sum(s["bytes"] for s in stats) / 1e6
+            moved = _size(sum(s["bytes"] for s in stats))
             elapsed = sum(s["elapsed_s"] for s in stats)
             waited = sum(s["wait_s"] for s in stats) / elapsed if elapsed > 0 else 0.0
             plan = item.plan
             lines.append(
                 f"taas: loader `{item.name}`: {units}/{plan.units} units delivered to "
                 f"{plan.ranks} rank{'s' * (plan.ranks != 1)} by {plan.workers} "
-                f"worker{'s' * (plan.workers != 1)}, {megabytes:.1f} MB moved; ranks waited for "
-                f"data {waited:.1%} of the time")
+                f"worker{'s' * (plan.workers != 1)}, {moved} moved; after {item.prefetch_s:.2f} s "
+                f"of prefetch, ranks waited for data {waited:.1%} of the time")
         return lines
 
     # -- failure ---------------------------------------------------------------------------
@@ -227,6 +237,8 @@ class DataPlane:
         return JobFailed(message, [f"{failure.RED}{failure.BOLD}{message}{failure.RESET}"] + lines[1:], end)
 
     def close(self) -> None:
+        while self._fifo_fds:
+            os.close(self._fifo_fds.pop())
         for item in self.loaders:
             if item.segment is not None:
                 try:
@@ -236,6 +248,32 @@ class DataPlane:
                 item.segment = None
         if self.job_id:
             shm.unlink_job(self.job_id)
+
+
+def _read_by_functions(values: dict) -> list[tuple[str, object]]:
+    """Registered loaders that notebook functions and classes among ``values`` read as
+    globals (transitively): the ranks' shared globals get views under those names too."""
+    from taas.job.package import _referenced_globals
+
+    out, seen, stack = [], set(), list(values.values())
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for name, ref in _referenced_globals(value).items():
+            if registry.entry(ref) is not None:
+                out.append((name, ref))
+            else:
+                stack.append(ref)
+    return out
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def _len(obj) -> int | None:

@@ -161,11 +161,10 @@ def _culprit(value, path: str = "loader", depth: int = 0, seen: set | None = Non
         children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
     elif isinstance(value, (list, tuple)):
         children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
-    else:
-        try:
-            children = [(f"{path}.{k}", v) for k, v in vars(value).items()]
-        except TypeError:
-            pass
+    try:
+        children += [(f"{path}.{k}", v) for k, v in vars(value).items()]
+    except TypeError:
+        pass
     for child_path, child in children:
         try:
             cloudpickle.dumps(child)

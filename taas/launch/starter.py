@@ -99,6 +99,8 @@ class Starter:
             time.sleep(0.01)
         for job_dir in job_dirs:  # the kernel cannot clean up after itself any more
             shutil.rmtree(job_dir, ignore_errors=True)
+        for job_id in list(self.jobs):
+            _unlink_shared_memory(job_id)
 
     # -- messages --------------------------------------------------------------------------
     def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list) -> None:
@@ -160,6 +162,7 @@ class Starter:
         if job.live:
             return
         self._kill_orphans()
+        _unlink_shared_memory(job.job_id)  # the data plane's segments (the kernel does it too)
         if job.stop_asked:
             self.conn.send(("stopped", job.job_id))
         del self.jobs[job.job_id]
@@ -193,6 +196,15 @@ class Starter:
                     child.kill()
                 except Exception:
                     pass
+
+
+def _unlink_shared_memory(job_id: str) -> None:
+    try:
+        from taas.data.shm import unlink_job
+
+        unlink_job(job_id)
+    except Exception:
+        pass
 
 
 def _killpg(pgid: int, sig: int) -> None:

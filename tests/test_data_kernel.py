@@ -1,0 +1,291 @@
+"""Registered loaders end to end through a real Jupyter kernel: units, passes, failures, leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from tests.kernel_driver import Kernel, listening_ports, shm_entries, wait_until_gone
+
+pytestmark = pytest.mark.kernel
+
+SETUP = """
+import collections, os, time
+import numpy as np
+import torch
+import taas
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+
+Pair = collections.namedtuple("Pair", "a b")
+
+class Own(Dataset):
+    '''Each sample knows its own index, in a nested structure.'''
+    def __init__(self, n, fail=None, how=None):
+        self.n, self.fail, self.how = n, fail, how
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        if i == self.fail:
+            if self.how == "raise":
+                raise ValueError(f"sample {i} is corrupt")
+            if self.how == "kill":
+                os.kill(os.getpid(), 9)
+            if self.how == "hang":
+                time.sleep(600)
+        if self.how == "slow":
+            time.sleep(0.05)
+        return {"i": torch.tensor(i), "x": torch.full((3,), i / 2), "meta": [f"s{i}", np.array([i, i % 3])],
+                "pair": Pair(i, torch.tensor([i, -i], dtype=torch.int16))}
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return type(b) is torch.Tensor and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a).__name__ == type(b).__name__ and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+loader = DataLoader(Own(22), batch_size=4, shuffle=True)   # 6 batches a pass, the last of 2
+taas.register(loader)
+"""
+
+# Every rank logs, per `for`, len(loader) before it and the index lists of its batches.
+EPOCHS = """
+import os, json
+log = []
+for epoch in range({epochs}):
+    n = len({name})
+    got = []
+    for batch in {name}:
+        assert same(batch, default_collate([{name}_ds[i] for i in batch["i"].tolist()]))
+        got.append(batch["i"].tolist())
+    log.append([n, got])
+print("LOG", json.dumps(log))
+"""
+
+
+def cell(text: str) -> str:
+    return textwrap.dedent(text).strip("\n")
+
+
+def logs(run) -> dict[int, list]:
+    out = {}
+    for line in run.stdout.splitlines():
+        match = re.match(r"\[rank(\d+)\] LOG (.*)", line)
+        if match:
+            out[int(match.group(1))] = json.loads(match.group(2))
+    return out
+
+
+def plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = Kernel(str(tmp_path_factory.mktemp("notebook")))
+    run = k.run(cell(SETUP))
+    assert run.error is None, run.traceback
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture
+def clean(kernel):
+    """Nothing left after the job: no process but the warm start process, no /dev/shm entry,
+    no new listening port."""
+    shm_before = shm_entries()
+    pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
+    ports_before = listening_ports(pids)
+    yield
+    time.sleep(0.2)
+    extra = [p for p in kernel.descendants() if "taas.launch.starter" not in " ".join(_cmdline(p))]
+    assert wait_until_gone([p.pid for p in extra]) == [], [_cmdline(p) for p in extra]
+    for starter in kernel.descendants():
+        assert starter.children() == [], "the warm start process kept children"
+    assert {n for n in shm_entries() - shm_before if n.startswith("taas-")} == set()
+    pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
+    assert listening_ports(pids) - ports_before == set()
+
+
+def _cmdline(p):
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_every_unit_exactly_once_in_passes_with_equal_structures(kernel, clean):
+    kernel.run("loader_ds = loader.dataset")
+    run = kernel.run("%%taas --gpus 2 --cpus 2 --units 15\n" + cell(EPOCHS.format(epochs=4, name="loader")))
+    assert run.error is None, run.traceback
+    per_rank = logs(run)
+    assert set(per_rank) == {0, 1}
+    # 6 batches a pass: passes 0 and 1 whole, pass 2 cut at K = 15, then nothing.
+    assert [[n for n, _ in per_rank[r]] for r in (0, 1)] == [[3, 3, 2, 0], [3, 3, 1, 0]]
+    for r in (0, 1):
+        assert all(n == len(got) for n, got in per_rank[r])
+    for epoch in range(3):
+        indices = [i for r in (0, 1) for batch in per_rank[r][epoch][1] for i in batch]
+        assert len(indices) == len(set(indices))  # none repeated within a pass
+        if epoch < 2:
+            assert sorted(indices) == list(range(22))  # a whole pass: every sample once
+    assert per_rank[0][0][1] != per_rank[0][1][1]  # reshuffled per pass
+    shown = " ".join(str(data.get("text/plain", "")) for _, data in run.displays)
+    assert "units ready" in shown and "/15 units ready" in shown
+    summary = [line for line in run.stderr.splitlines() if "units delivered" in line]
+    assert len(summary) == 1 and "15/15 units delivered to 2 ranks by 2 workers" in summary[0], run.stderr
+    assert re.search(r"ranks waited for data \d+\.\d% of the time", summary[0])
+
+
+def test_the_same_units_reach_the_same_ranks_whatever_the_worker_count(kernel, clean):
+    body = "import os, json\nprint('LOG', json.dumps([b['i'].tolist() for b in loader]))"
+    results = []
+    for cpus in (1, 3):
+        kernel.run("torch.manual_seed(0)")
+        run = kernel.run(f"%%taas --gpus 2 --cpus {cpus}\n{body}")
+        assert run.error is None, run.traceback
+        results.append(logs(run))
+    assert results[0] == results[1]
+    kernel.run("torch.manual_seed(1)")
+    other = logs(kernel.run(f"%%taas --gpus 2 --cpus 2\n{body}"))
+    assert other != results[0]
+
+
+def test_an_iterable_dataset_needs_and_takes_units(kernel, clean):
+    kernel.run("stream = DataLoader(Stream(), batch_size=3)\ntaas.register(stream)")
+    refused = kernel.run("%%taas --gpus 2\nfor b in stream: pass\nprint('ran')")
+    usage = [line for line in refused.stderr.splitlines() if line.startswith("UsageError")]
+    assert len(usage) == 1 and "`stream`" in usage[0] and "--units" in usage[0], refused.stderr
+    assert "ran" not in refused.stdout
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --cpus 2 --units 6
+        import json
+        try:
+            len(stream)
+        except TypeError:
+            pass
+        print("LOG", json.dumps([[b.tolist() for b in stream] for epoch in range(3)]))
+        """))
+    assert run.error is None, run.traceback
+    per_rank = logs(run)
+    # 4 batches a pass ([0,1,2] [3,4,5] [6,7,8] [9]); 6 units: a pass and a half.
+    assert per_rank[0] == [[[0, 1, 2], [6, 7, 8]], [[0, 1, 2]], []]
+    assert per_rank[1] == [[[3, 4, 5], [9]], [[3, 4, 5]], []]
+
+
+def test_a_function_that_reads_the_loader_gets_the_view(kernel, clean):
+    kernel.run("def count():\n    return sum(len(b['i']) for b in loader)")
+    run = kernel.run("%%taas --gpus 2 --cpus 2\nprint('counted', count())")
+    assert run.error is None, run.traceback
+    counted = sorted(int(x) for x in re.findall(r"counted (\d+)", run.stdout))
+    assert sum(counted) == 22 and len(counted) == 2  # one pass, shared, not 22 each
+
+
+def test_a_rank_that_stops_early_ends_the_job_promptly(kernel, clean):
+    kernel.run("slow = DataLoader(Own(2000, how='slow'), batch_size=1)\ntaas.register(slow)")
+    started = time.monotonic()
+    run = kernel.run("%%taas --gpus 2 --cpus 2 --units 1000\nfor b in slow:\n    break\nprint('done')")
+    assert run.error is None, run.traceback
+    assert time.monotonic() - started < 15
+    assert "2/1000 units delivered" in run.stderr
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("raise", "loader:bad_raise:0 failed: ValueError: sample 13 is corrupt"),
+    ("kill", "loader:bad_kill:0 was killed by SIGKILL"),
+])
+def test_a_failing_loader_stops_the_job_naming_loader_and_worker(kernel, clean, how, expected):
+    name = f"bad_{how}"
+    kernel.run(f"{name} = DataLoader(Own(40, fail=13, how='{how}'), batch_size=2)\ntaas.register({name})")
+    started = time.monotonic()
+    run = kernel.run(f"%%taas --gpus 2 --cpus 2\nimport time\nfor b in {name}:\n    time.sleep(0.01)")
+    took = time.monotonic() - started
+    assert run.status == "error"
+    tb = plain(run.traceback)
+    assert tb.splitlines()[0] == expected, tb
+    if how == "raise":  # the loader's own traceback, at its notebook line
+        assert re.search(r"Cell In\[\d+\], line \d+, in __getitem__", tb), tb
+        assert 'raise ValueError(f"sample {i} is corrupt")' in tb
+    assert "rank0: stopped after" in tb and "rank1: stopped after" in tb
+    assert took < 15
+
+
+def test_a_hanging_loader_is_named_at_the_timeout(kernel, clean):
+    kernel.run("stuck = DataLoader(Own(40, fail=13, how='hang'), batch_size=2)\ntaas.register(stuck)")
+    started = time.monotonic()
+    run = kernel.run("%%taas --gpus 2 --cpus 2 --timeout 4\nfor b in stuck:\n    pass")
+    took = time.monotonic() - started
+    assert run.status == "error"
+    tb = plain(run.traceback)
+    first = tb.splitlines()[0]
+    assert "--timeout 4s" in first and "loader `stuck` worker 0 (loader:stuck:0)" in first, tb
+    assert "loading unit 6" in first and "waited" in first
+    assert "time.sleep(600)" in tb  # where it hung
+    assert took < 4 + 8
+
+
+def test_register_errors_and_status_in_the_notebook(kernel):
+    again = kernel.run("taas.register(loader)")
+    assert again.error and again.error["ename"] == "RegistrationError" and "already registered" in again.error["evalue"]
+    bad = kernel.run("import threading\nclass Locked(list):\n    pass\nlocked = Locked([1])\nlocked.lock = threading.Lock()\ntaas.register(locked)")
+    assert bad.error and "`loader.lock` is _thread.lock" in bad.error["evalue"]
+    names = kernel.run("print(taas.is_registered(loader), 'loader' in taas.registered(), taas.get_worker_info())")
+    assert names.stdout.strip() == "True True None"
+    status = kernel.run("%taas")
+    assert re.search(r"registered loaders: .*\bloader\b", status.stdout), status.stdout
+    info = kernel.run("%%taas --gpus 2\nprint('info', taas.get_worker_info())")
+    assert "[rank1] info WorkerInfo(id=1, num_workers=2)" in info.stdout, info.stdout + info.traceback
+
+
+def test_interrupt_during_prefetch_cleans_up(kernel, clean):
+    kernel.run("crawl = DataLoader(Own(100, how='slow'), batch_size=4)\ntaas.register(crawl)")
+    msg_id = kernel.kc.execute("%%taas --gpus 2 --cpus 1\nfor b in crawl:\n    pass")
+    time.sleep(3)
+    kernel.km.interrupt_kernel()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        reply = kernel.kc.get_shell_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    after = kernel.run("%%taas --gpus 2\nprint('next', sum(len(b['i']) for b in loader))")
+    assert after.error is None and "[rank0] next" in after.stdout
+
+
+def test_a_killed_kernel_leaves_no_loader_worker_or_shared_memory(tmp_path):
+    k = Kernel(str(tmp_path))
+    shm_before = shm_entries()
+    try:
+        assert k.run(cell(SETUP)).error is None
+        k.run("slow = DataLoader(Own(2000, how='slow'), batch_size=1)\ntaas.register(slow)")
+        k.kc.execute("%%taas --gpus 2 --cpus 2 --units 1000\nimport time\nfor b in slow:\n    time.sleep(1)")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(n.startswith("taas-") for n in shm_entries() - shm_before):
+            time.sleep(0.1)
+        time.sleep(1.5)
+        tree = [p.pid for p in k.descendants()]
+        assert len(tree) >= 5, tree  # start process, 2 ranks, 2 loader workers
+        assert any(n.startswith("taas-") for n in shm_entries() - shm_before)
+        os.kill(k.pid, signal.SIGKILL)
+        assert wait_until_gone(tree, timeout=5) == []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and {n for n in shm_entries() - shm_before if n.startswith("taas-")}:
+            time.sleep(0.1)
+        assert {n for n in shm_entries() - shm_before if n.startswith("taas-")} == set()
+    finally:
+        k.shutdown()

@@ -1,0 +1,239 @@
+"""The shared-memory transport with real processes: a forked producer, this process consumes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from taas.data import shm
+from taas.data.transport import DATA, PASS_END
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: int
+
+
+@pytest.fixture
+def channel(tmp_path):
+    """(segment, fifos, job id) for one channel; everything of the job unlinked afterwards."""
+    job = "test" + uuid.uuid4().hex[:8]
+    made = []
+
+    held = []
+
+    def make(bound=1 << 20):
+        seg = shm.Segment.create(shm.segment_name(job, 0), shm.Layout(1, 1, bound))
+        made.append(seg)
+        fifos = shm.make_fifos(str(tmp_path), 0, 0)
+        held.extend(os.open(path, os.O_RDWR | os.O_NONBLOCK) for path in fifos)  # as the kernel does
+        return seg, fifos
+
+    yield make
+    for fd in held:
+        os.close(fd)
+    for seg in made:
+        seg.close()
+    shm.unlink_job(job)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"taas-{job}-")]
+
+
+def produce(seg_name, fifos, values, pass_end=None):
+    """Fork a producer that puts ``values`` as units 0.. and exits 0 (1 if a put failed)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+            seg = shm.Segment.attach(seg_name)
+            tx = shm.ShmSender(seg, 0, fifos)
+            ok = all(tx.put(u, v) for u, v in enumerate(values))
+            if ok and pass_end is not None:
+                ok = tx.end_pass(0, pass_end)
+            code = 0 if ok else 3
+        finally:
+            os._exit(code)
+    _forked.append(pid)
+    return pid
+
+
+def exit_code(pid, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            _forked.remove(pid)
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("producer did not finish")
+
+
+_forked: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_children():
+    """A failed test must not leave a producer blocked forever."""
+    yield
+    while _forked:
+        pid = _forked.pop()
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def structures():
+    return [
+        (torch.arange(12.0).view(3, 4), torch.tensor([1, 2, 3])),
+        [torch.zeros(0), torch.tensor(5), torch.ones(2, 3, dtype=torch.bool)],
+        {"x": torch.randn(4, 5).t(), "label": 3, "name": "cat", "meta": {"ids": [1, 2], "f": 0.5}},
+        Point(torch.arange(6, dtype=torch.int16), "y"),
+        Sample(torch.full((2, 2), 7, dtype=torch.uint8), 9),
+        (np.arange(10, dtype=np.float32).reshape(2, 5), np.array(["a", "bc"]), np.float64(2.5)),
+        torch.randn(3, dtype=torch.complex64),
+        torch.randn(4, 4).to(torch.bfloat16),
+        torch.ones(3, requires_grad=True),
+        ("strings only", 1, None, b"bytes"),
+    ]
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return (type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
+                and a.requires_grad == b.requires_grad and torch.equal(a.detach(), b.detach()))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and same(dataclasses.astuple(a), dataclasses.astuple(b))
+    return type(a) is type(b) and a == b
+
+
+def test_structures_arrive_equal_with_tensors_outside_pickle(channel):
+    seg, fifos = channel()
+    values = structures()
+    pid = produce(seg.name, fifos, values, pass_end=len(values))
+    rx = shm.ShmReceiver(seg, 0, fifos)
+    got = []
+    for u in range(len(values)):
+        header = rx.peek()
+        assert header.kind == DATA and header.unit == u
+        value, nbytes = rx.take()
+        got.append(value)
+    header = rx.peek()
+    assert header.kind == PASS_END and header.unit == len(values) and header.aux == 0
+    rx.skip()
+    assert exit_code(pid) == 0
+    for want, have in zip(values, got):
+        assert same(want, have), (want, have)
+    # Tensors view the producer's blocks: nothing of them went through pickle.
+    assert got[0][0].untyped_storage().nbytes() == 48
+    rx.close()
+
+
+def test_units_wait_for_a_consumer_that_comes_after_the_producer_left(channel):
+    seg, fifos = channel()
+    pid = produce(seg.name, fifos, [torch.arange(5), "two"], pass_end=2)
+    assert exit_code(pid) == 0
+    rx = shm.ShmReceiver(seg, 0, fifos)
+    assert torch.equal(rx.take()[0], torch.arange(5)) and rx.take()[0] == "two"
+    assert rx.peek().kind == PASS_END
+    rx.close()
+
+
+def test_backpressure_bounds_bytes_in_flight(channel):
+    bound = 1 << 20
+    seg, fifos = channel(bound)
+    unit = torch.ones(64 * 1024)  # 256 KiB
+    pid = produce(seg.name, fifos, [unit] * 40)
+    deadline = time.monotonic() + 10
+    while not seg.channel(0, shm.C_WAITING) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seg.channel(0, shm.C_WAITING) == 1, "the producer should wait for space"
+    time.sleep(0.2)
+    in_flight = seg.channel(0, shm.C_SENT_BYTES) - seg.channel(0, shm.C_TAKEN_BYTES)
+    assert 0 < in_flight <= bound
+    assert seg.channel(0, shm.C_UNITS) <= 4
+    rx = shm.ShmReceiver(seg, 0, fifos)
+    for u in range(40):
+        assert rx.peek().unit == u
+        value, _ = rx.take()
+        assert torch.equal(value, unit)
+        del value
+    assert exit_code(pid) == 0
+    # Units dropped as they came: a handful of blocks served all 40.
+    assert len([n for n in os.listdir("/dev/shm") if n.startswith(seg.name + "-")]) <= 6
+    rx.close()
+
+
+def test_a_rank_that_keeps_every_unit_does_not_block_the_channel(channel):
+    seg, fifos = channel(1 << 20)
+    pid = produce(seg.name, fifos, [torch.full((64 * 1024,), float(u)) for u in range(30)])
+    rx = shm.ShmReceiver(seg, 0, fifos)
+    kept = [rx.take()[0] for _ in range(30)]
+    assert exit_code(pid) == 0
+    assert all(torch.equal(t, torch.full((64 * 1024,), float(u))) for u, t in enumerate(kept))
+    rx.close()
+
+
+def test_blocks_are_reused_only_after_their_tensors_are_garbage(channel):
+    seg, fifos = channel(1 << 20)
+    pid = produce(seg.name, fifos, [(torch.full((1000,), float(u)),) for u in range(200)])
+    rx = shm.ShmReceiver(seg, 0, fifos)
+    views = {}
+    for u in range(200):
+        (t,), _ = rx.take()
+        if u % 50 == 0:
+            views[u] = t[10:20]  # a view keeps its block
+        del t
+        gc.collect() if u % 20 == 0 else None
+    assert exit_code(pid) == 0
+    for u, v in views.items():
+        assert torch.equal(v, torch.full((10,), float(u)))
+    rx.close()
+
+
+def test_a_closed_consumer_releases_a_waiting_producer(channel):
+    seg, fifos = channel(1 << 20)
+    pid = produce(seg.name, fifos, [torch.ones(200_000)] * 20)
+    rx = shm.ShmReceiver(seg, 0, fifos)
+    rx.take()
+    deadline = time.monotonic() + 10
+    while not seg.channel(0, shm.C_WAITING) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rx.close()
+    assert exit_code(pid, timeout=5) == 3  # put() returned False: the consumer has gone
+
+
+def test_a_dead_consumer_releases_a_waiting_producer(channel):
+    seg, fifos = channel(1 << 20)
+    pid = produce(seg.name, fifos, [torch.ones(200_000)] * 20)
+    consumer = os.fork()
+    if consumer == 0:
+        try:
+            torch.set_num_threads(1)
+            shm.ShmReceiver(shm.Segment.attach(seg.name), 0, fifos)
+            time.sleep(0.3)
+        finally:
+            os._exit(0)
+    _forked.append(consumer)
+    assert exit_code(consumer) == 0
+    assert exit_code(pid, timeout=5) == 3
