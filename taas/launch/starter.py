@@ -18,6 +18,12 @@ can reach; pickles only ever cross between these two processes)::
     kernel -> starter   ("stop", job_id, grace)
     starter -> kernel   ("stopped", job_id)                        once every process is gone
 
+Forking a process that holds torch costs ~15 ms per child here (page tables of ~700 MB), so
+between jobs the start process keeps a few children *forked ahead* ("taas-ready" in ps): idle,
+single-threaded, blocked on a private socket.  A job's process is handed to one of them (its
+spec and pipe fds over that socket) and starts at once; the pool is refilled while the user
+works.  Without a ready child it forks on demand.
+
 Each child is the leader of its own process group, gets SIGKILL if the starter dies
 (PR_SET_PDEATHSIG), and whatever it starts is ended with it: the starter is a child subreaper,
 so orphans of a job re-parent here and are killed when the job ends.  The starter exits when
@@ -28,8 +34,10 @@ running job first.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -49,11 +57,12 @@ PRELOAD = (
 )
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _prctl(option: int, value: int) -> None:
+def _prctl(option: int, value) -> None:
     _libc.prctl(option, value, 0, 0, 0)
 
 
@@ -72,12 +81,24 @@ class Starter:
         self.sock = sock
         self.jobs: dict[str, _Job] = {}
         self.parent = os.getppid()
+        self.ready: dict[int, socket.socket] = {}  # pid -> socket of a child forked ahead
+        self.ready_target = min(os.cpu_count() or 1, 8)  # then: the last job's size
+        # SIGCHLD wakes the loop at once (set_wakeup_fd), so exits are reported without delay.
+        self.wakeup_r, wakeup_w = os.pipe()
+        os.set_blocking(self.wakeup_r, False)
+        os.set_blocking(wakeup_w, False)
+        signal.set_wakeup_fd(wakeup_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.private = (conn.fileno(), sock.fileno(), self.wakeup_r, wakeup_w)
 
     # -- main loop -------------------------------------------------------------------------
     def serve(self) -> None:
         while True:
-            busy = any(job.live for job in self.jobs.values())
-            if wait([self.conn], timeout=0.02 if busy else 0.5):
+            busy = any(job.kill_at is not None for job in self.jobs.values())
+            ready = wait([self.conn, self.wakeup_r], timeout=0.05 if busy else 0.5)
+            if self.wakeup_r in ready:
+                _drain(self.wakeup_r)
+            if self.conn in ready:
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):
@@ -87,8 +108,13 @@ class Starter:
             self._enforce_deadlines()
             if os.getppid() != self.parent:  # the kernel is gone
                 return self.shutdown()
+            if not any(job.live for job in self.jobs.values()):
+                self._fork_ahead()  # between jobs: never compete with running ranks
 
     def shutdown(self) -> None:
+        for pid, channel in self.ready.items():
+            channel.close()  # EOF: a ready child exits
+            _killpg(pid, signal.SIGKILL)
         job_dirs = [job.job_dir for job in self.jobs.values()]
         for job in self.jobs.values():
             self._signal_job(job, signal.SIGKILL)
@@ -108,16 +134,18 @@ class Starter:
         job = self.jobs[job_id] = _Job(job_id, job_dir)
         pids: dict[str, int] = {}
         starter = os.getpid()
+        self.ready_target = min(max(len(specs), 1), 64)
         try:
             for i, spec in enumerate(specs):
-                pid = os.fork()
-                if pid == 0:  # child: never returns
-                    private = (self.conn.fileno(), self.sock.fileno())
-                    _child(spec, cwd, fds[3 * i : 3 * i + 3], private, starter)
-                try:
-                    os.setpgid(pid, pid)  # also done by the child; whichever runs first
-                except OSError:
-                    pass
+                pid = self._hand_to_ready_child(spec, cwd, fds[3 * i : 3 * i + 3])
+                if pid is None:
+                    pid = os.fork()
+                    if pid == 0:  # child: never returns
+                        _child(spec, cwd, fds[3 * i : 3 * i + 3], self._private(), starter)
+                    try:
+                        os.setpgid(pid, pid)  # also done by the child; whichever runs first
+                    except OSError:
+                        pass
                 job.live[pid] = spec.key
                 pids[spec.key] = pid
         except OSError as exc:
@@ -128,6 +156,38 @@ class Starter:
             for fd in fds:
                 os.close(fd)
         self.conn.send(("spawned", job_id, pids))
+
+    # -- children forked ahead -------------------------------------------------------------
+    def _private(self) -> tuple[int, ...]:
+        """The fds a child must close: the kernel's channel, our wakeup pipe, ready sockets."""
+        return self.private + tuple(ch.fileno() for ch in self.ready.values())
+
+    def _fork_ahead(self) -> None:
+        while len(self.ready) < self.ready_target and not self.conn.poll(0):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            starter = os.getpid()
+            pid = os.fork()
+            if pid == 0:  # child: waits for a job, never returns
+                ours.close()
+                _ready_child(theirs, self._private(), starter)
+            theirs.close()
+            try:
+                os.setpgid(pid, pid)
+            except OSError:
+                pass
+            self.ready[pid] = ours
+
+    def _hand_to_ready_child(self, spec, cwd: str, fds: list[int]) -> int | None:
+        while self.ready:
+            pid, channel = self.ready.popitem()
+            try:
+                socket.send_fds(channel, [pickle.dumps((spec, cwd))], fds)
+                return pid
+            except OSError:  # it died meanwhile: reaped as an unknown child
+                _killpg(pid, signal.SIGKILL)
+            finally:
+                channel.close()
+        return None
 
     def _on_stop(self, job_id: str, grace: float) -> None:
         job = self.jobs.get(job_id)
@@ -148,6 +208,9 @@ class Starter:
                 return
             if pid == 0:
                 return
+            if pid in self.ready:  # a child forked ahead died before it was used
+                self.ready.pop(pid).close()
+                continue
             for job in list(self.jobs.values()):
                 key = job.live.pop(pid, None)
                 if key is None:
@@ -182,7 +245,7 @@ class Starter:
     def _kill_orphans(self) -> None:
         """Kill every child that is not a live process of a job: orphans of finished ranks
         (a DataLoader worker that outlived its rank, a process that left its group)."""
-        live = {pid for job in self.jobs.values() for pid in job.live}
+        live = {pid for job in self.jobs.values() for pid in job.live} | set(self.ready)
         try:
             import psutil
 
@@ -214,11 +277,47 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
+def _ready_child(channel: socket.socket, private: tuple[int, ...], starter: int) -> None:
+    """A child forked ahead: wait for a job's process spec, then become that process."""
+    try:
+        os.setpgid(0, 0)
+        _set_name("taas-ready")
+        signal.set_wakeup_fd(-1)
+        for fd in private:
+            os.close(fd)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != starter:
+            os._exit(0)
+        message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3)
+        channel.close()
+    except BaseException:
+        os._exit(70)
+    if not message:  # the start process is done with us
+        os._exit(0)
+    spec, cwd = pickle.loads(message)
+    _child(spec, cwd, fds, (), starter)
+
+
+def _set_name(name: str) -> None:
+    """What ps/psutil show as this process's name (comm)."""
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: int) -> None:
     """Runs in the forked child: become a clean process for ``spec`` and run its entry."""
     code = 70  # EX_SOFTWARE, if setup itself fails
     try:
         os.setpgid(0, 0)
+        _set_name(f"taas-{spec.key}")
+        signal.set_wakeup_fd(-1)
         for fd in private:  # the kernel's channel is the starter's alone
             os.close(fd)
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
@@ -272,6 +371,9 @@ def main() -> None:
             importlib.import_module(name)
         except ImportError:
             pass  # a child that needs it reports the ImportError itself, with its traceback
+    # Everything imported so far lives as long as we do: keep the garbage collector of each
+    # child from walking (and so copying) those pages.
+    gc.freeze()
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     conn.send(("ready", os.getpid()))
