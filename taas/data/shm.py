@@ -23,8 +23,9 @@ Header segment, in u64 words::
                                           consumer line (taken msgs, taken bytes, pid, closed,
                                           wanted unit + 1, since (f64))
 
-Block: a 64-byte header (size, meta length, buffers), the buffer table, the pickled structure,
-then the blobs, 64-byte aligned.  A side about to wait drains its FIFO, checks the counters
+Block: a 64-byte header (size and where the parts are), tensors a collate function wrote in
+place (a :class:`Draft`), the pickled structure, the buffer table, then the copied blobs,
+64-byte aligned.  A side about to wait drains its FIFO, checks the counters
 again, then sleeps in ``select``; a full FIFO means the other side has bytes to read, so no
 wake-up is lost.
 """
@@ -59,7 +60,7 @@ RETIRE = 9  # message kind: the producer unlinked a block; unmap it
 FREED, TAKEN = 1, 2  # space messages
 _MSG = struct.Struct("<4Q")  # kind, unit, block, aux
 _BACK = struct.Struct("<2Q")  # kind, block
-_BLOCK = struct.Struct("<8Q")  # size, meta length, buffers, ...
+_BLOCK = struct.Struct("<8Q")  # size, meta at, meta length, buffers, table at, blobs at
 _ENTRY = struct.Struct("<2Q")
 SHM_PREFIX = "taas-"
 
@@ -231,13 +232,30 @@ def _alive(pid: int) -> bool:
 
 
 class _Block:
-    __slots__ = ("id", "size", "name", "mm", "u8")
+    __slots__ = ("id", "size", "name", "mm", "u8", "address")
 
     def __init__(self, block_id: int, size: int, name: str, mm: mmap.mmap):
         import torch
 
         self.id, self.size, self.name, self.mm = block_id, size, name, mm
         self.u8 = torch.frombuffer(mm, dtype=torch.uint8)
+        self.address = self.u8.data_ptr()
+
+
+class Draft:
+    """A block lent to a collate function before the unit exists: ``alloc`` hands out tensors
+    in it, so the collated batch is written where the rank will read it (no second copy)."""
+
+    def __init__(self, block: _Block):
+        self.block = block
+        self.top = _BLOCK.size
+
+    def alloc(self, nbytes: int, dtype, shape):
+        start = align(self.top)
+        if nbytes <= 0 or start + nbytes > self.block.size:
+            return None
+        self.top = start + nbytes
+        return self.block.u8[start:start + nbytes].view(dtype).view(shape)
 
 
 class ShmSender(Sender):
@@ -251,6 +269,7 @@ class ShmSender(Sender):
         self.sent_msgs = self.sent_bytes = self.units = 0
         self.blocks: dict[int, _Block] = {}
         self.free: list[_Block] = []
+        self.last_size = 0  # of the last unit: the size of the next draft
         self._next_id = 0
         self._back = b""
         self._gone = False
@@ -332,21 +351,39 @@ class ShmSender(Sender):
                 pass
 
     # -- sending ---------------------------------------------------------------------------
-    def put(self, unit: int, value) -> bool:
+    def draft(self) -> Draft | None:
+        """A block for the next unit to be collated into (sized like the last unit)."""
+        if self.gone or not self.last_size:
+            return None
+        return Draft(self._block(self.last_size))
+
+    def put(self, unit: int, value, draft: Draft | None = None) -> bool:
         if self.gone:
+            if draft is not None:
+                self.free.append(draft.block)
             return False
-        enc = encode(value)
-        meta_at = _BLOCK.size + _ENTRY.size * len(enc.buffers)
-        blob_at = align(meta_at + len(enc.meta))
+        enc = encode(value, (draft.block.address, draft.block.size) if draft else None)
+        top = draft.top if draft else _BLOCK.size
+        meta_at = align(top)
+        table_at = meta_at + (len(enc.meta) + 7) // 8 * 8
+        blob_at = align(table_at + _ENTRY.size * len(enc.buffers))
         size = blob_at + enc.nbytes
         if not self._wait(size):
+            if draft is not None:
+                self.free.append(draft.block)
             return False
-        block = self._block(size)
+        if draft is not None and size <= draft.block.size:
+            block = draft.block
+        else:
+            block = self._block(size)
+            if draft is not None:  # outgrew its draft: move what was collated there
+                block.mm[_BLOCK.size:top] = draft.block.mm[_BLOCK.size:top]
+                self.free.append(draft.block)
         mm, u8 = block.mm, block.u8
-        _BLOCK.pack_into(mm, 0, size, len(enc.meta), len(enc.buffers), 0, 0, 0, 0, 0)
-        for j, (offset, nbytes) in enumerate(enc.buffers):
-            _ENTRY.pack_into(mm, _BLOCK.size + _ENTRY.size * j, offset, nbytes)
+        _BLOCK.pack_into(mm, 0, size, meta_at, len(enc.meta), len(enc.buffers), table_at, blob_at, 0, 0)
         mm[meta_at:meta_at + len(enc.meta)] = enc.meta
+        for j, (offset, nbytes) in enumerate(enc.buffers):
+            _ENTRY.pack_into(mm, table_at + _ENTRY.size * j, offset, nbytes)
         for offset, nbytes, src in enc.blobs:
             if not nbytes:
                 continue
@@ -356,6 +393,7 @@ class ShmSender(Sender):
             else:
                 u8[lo:lo + nbytes].view(src.dtype).view(src.shape).copy_(src)
         self.units += 1
+        self.last_size = size
         self.seg.set_channel(self.ch, C_UNITS, self.units)
         self._send(DATA, unit, block.id, 0, size)
         return True
@@ -426,19 +464,18 @@ class ShmReceiver(Receiver):
         mm = self.blocks.get(block_id)
         if mm is None:
             mm = self.blocks[block_id] = _shm_attach(f"{self.seg.name}-c{self.ch}-b{block_id}")
-        size, meta_len, nbuf = struct.unpack_from("<3Q", mm, 0)
-        table = [_ENTRY.unpack_from(mm, _BLOCK.size + _ENTRY.size * j) for j in range(nbuf)]
-        meta_at = _BLOCK.size + _ENTRY.size * nbuf
+        size, meta_at, meta_len, nbuf, table_at, blob = struct.unpack_from("<6Q", mm, 0)
         meta = bytes(mm[meta_at:meta_at + meta_len])
-        blob = align(meta_at + meta_len)
+        table = [_ENTRY.unpack_from(mm, table_at + _ENTRY.size * j) for j in range(nbuf)]
         buffers = [bytearray(mm[blob + off:blob + off + n]) for off, n in table]
         lease = memoryview(mm)
         lent = []
 
-        def tensor_at(offset: int, nbytes: int, dtype, shape):
+        def tensor_at(offset: int, nbytes: int, dtype, shape, in_place: bool):
             import torch
 
-            t = torch.frombuffer(lease, dtype=dtype, count=nbytes // _itemsize(dtype), offset=blob + offset)
+            start = offset if in_place else blob + offset
+            t = torch.frombuffer(lease, dtype=dtype, count=nbytes // _itemsize(dtype), offset=start)
             if self.pin:
                 t = t.pin_memory()
             else:

@@ -89,10 +89,17 @@ def _run(cfg: dict, state: dict) -> int:
     def skip(unit: int) -> bool:
         return senders[unit % plan.ranks].gone
 
+    drafts = {}
+
+    def alloc_for(unit: int):
+        draft = drafts[unit] = senders[unit % plan.ranks].draft()
+        return draft.alloc if draft is not None else None
+
     produced = 0
-    for kind, a, b in source.units(loader, worker, plan.workers, plan.units, cfg["seed"], skip, on_fetch):
+    units = source.units(loader, worker, plan.workers, plan.units, cfg["seed"], skip, on_fetch, alloc_for)
+    for kind, a, b in units:
         if kind == source.UNIT:
-            if senders[a % plan.ranks].put(a, b):
+            if senders[a % plan.ranks].put(a, b, drafts.pop(a, None)):
                 produced += 1
                 progress.produced(produced)
             state["unit"] = None
