@@ -522,15 +522,15 @@ class ShmReceiver(Receiver):
                 self._pending.pop(0)
 
     def close(self) -> None:
+        """The rank is done: the producer stops sending.  The FIFOs stay open until the process
+        exits (a reader thread may still be inside peek(); a closed fd number could be reused)."""
         self.seg.set_channel(self.ch, C_CLOSED, 1)
+        with self._lock:
+            self._closed = True
         try:
             os.write(self.space_fd, _BACK.pack(TAKEN, 0))
         except BlockingIOError:
             pass
-        with self._lock:
-            self._closed = True
-            for fd in (self.data_fd, self.space_fd):
-                os.close(fd)
 
 
 def _itemsize(dtype) -> int:

@@ -3,20 +3,20 @@
 :func:`units` yields ``(UNIT, u, value)`` for the worker's units (u = w, w+M, ... < K) and
 ``(END, p, e)`` when pass p ended (e: the first unit of the next pass), pass after pass.
 
-Determinism: before pass p every worker seeds torch, random and numpy with ``mix(seed, p)``
-and starts a new pass of the loader, so a shuffling sampler draws the same permutation in every
-worker.  For a map-style DataLoader each worker walks the pass's batches of indices (cheap) and
-fetches and collates only its own, inside ``mix(seed, p, u)``-seeded random state (so random
-augmentations depend on u, not on M) that is restored afterwards (so a sampler that draws
-lazily is not disturbed).  Any other iterable is iterated in full by every worker, which keeps
-every M-th element (iterate-and-skip): correct for anything, M times the loading work.
+Determinism: every worker seeds torch, random and numpy the same way at the same points, so
+whatever M, unit u is the same.  For a map-style DataLoader each worker walks the pass's
+batches of indices (cheap) and fetches and collates only its own: the global generators are
+seeded with ``mix(seed, 1, p, i)`` before the sampler draws batch i of pass p (a shuffling
+sampler, lazy or not, draws the same in every worker) and with ``mix(seed, 2, p, u)`` before
+unit u is fetched (random augmentations depend on u, not on M).  Any other iterable is
+iterated in full by every worker from ``mix(seed, p)``, keeping every M-th element
+(iterate-and-skip): correct for anything, M times the loading work.
 """
 
 from __future__ import annotations
 
 import random
 import sys
-from contextlib import contextmanager
 
 from taas.data.plan import mix
 
@@ -37,24 +37,6 @@ def seed_all(seed: int) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(seed % (1 << 32))
-
-
-@contextmanager
-def unit_seed(seed: int):
-    """Run with every RNG seeded by ``seed``; leave their states as they were."""
-    import torch
-
-    numpy = sys.modules.get("numpy")
-    generator = torch.default_generator
-    saved = (generator.get_state(), random.getstate(), numpy.random.get_state() if numpy else None)
-    seed_all(seed)
-    try:
-        yield
-    finally:
-        generator.set_state(saved[0])
-        random.setstate(saved[1])
-        if numpy is not None and saved[2] is not None:
-            numpy.random.set_state(saved[2])
 
 
 def is_map_style(loader) -> bool:
@@ -80,14 +62,18 @@ def units(loader, worker: int, workers: int, total: int, seed: int, skip=None, o
         start = u
         if batches is not None:
             indices, fetch = batches
-            for index in indices():
-                if u >= total:
+            iterator = indices()
+            while u < total:
+                seed_all(mix(seed, 1, p, u - start))
+                try:
+                    index = next(iterator)
+                except StopIteration:
                     break
                 if u % workers == worker and not (skip and skip(u)):
                     if on_fetch:
                         on_fetch(u)
-                    with unit_seed(mix(seed, p, u)):
-                        value = fetch(index, alloc_for(u) if alloc_for else None)
+                    seed_all(mix(seed, 2, p, u))
+                    value = fetch(index, alloc_for(u) if alloc_for else None)
                     yield UNIT, u, value
                 u += 1
         else:

@@ -14,7 +14,9 @@ figures the notebook's summary line shows.
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 import time
 
 from taas.data import shm
@@ -66,6 +68,65 @@ class _DatasetInfo:
         return f"<{self._kind} of a registered loader: {self._length} samples, in the loader workers>"
 
 
+class _Reader:
+    """Takes this rank's records ahead of the cell, in the order the cell will want them, so
+    that decoding a unit happens while the rank computes, not when it asks for the next one.
+    At most ``depth`` units wait here (they count as the rank's, not the channel's)."""
+
+    def __init__(self, view: "LoaderView", depth: int = 4):
+        self.view, self.depth = view, depth
+        self.items: collections.deque = collections.deque()
+        self.units = 0
+        self.cond = threading.Condition()
+        self.stopped = False
+        threading.Thread(target=self._run, name=f"taas-view-{view.name}", daemon=True).start()
+
+    def _run(self) -> None:
+        view = self.view
+        plan = view._plan
+        u = view.rank
+        try:
+            while u < plan.units and not self.stopped:
+                rx = view._rx[u % plan.workers]
+                header = rx.peek()
+                if header.kind == PASS_END:
+                    rx.skip()
+                    self._put(("end", header.aux, header.unit, 0))
+                    continue
+                value, nbytes = rx.take()
+                self._put(("unit", header.unit, value, nbytes))
+                u += plan.ranks
+        except BaseException as exc:  # shown where the cell asks for the unit
+            if not self.stopped:
+                self._put(("error", exc, None, 0))
+
+    def _put(self, item) -> None:
+        with self.cond:
+            while self.units >= self.depth and not self.stopped:
+                self.cond.wait()
+            self.items.append(item)
+            self.units += item[0] == "unit"
+            self.cond.notify_all()
+
+    def first(self, wait: bool = False):
+        with self.cond:
+            while wait and not self.items:
+                self.cond.wait()
+            return self.items[0] if self.items else None
+
+    def pop(self) -> None:
+        with self.cond:
+            item = self.items.popleft()
+            self.units -= item[0] == "unit"
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.items.clear()
+            self.cond.notify_all()
+
+
 class LoaderView:
     def __init__(self, cfg: dict, rank: int):
         self.name = cfg["name"]
@@ -89,6 +150,7 @@ class LoaderView:
         self._wait = 0.0
         self._started = time.perf_counter()
         self._closed = False
+        self._reader = _Reader(self)
 
     # -- the loader interface --------------------------------------------------------------
     def __iter__(self):
@@ -103,24 +165,28 @@ class LoaderView:
                 self._pass = p + 1
                 self._starts.setdefault(p + 1, min(u, plan.units))
                 return
-            worker = u % plan.workers
-            rx = self._rx[worker]
-            waited = time.perf_counter()
-            self._seg.set_want(self._channel[worker], u)
-            header = rx.peek()
-            self._seg.set_want(self._channel[worker], None)
-            self._wait += time.perf_counter() - waited
-            if header.kind == PASS_END:
-                rx.skip()
-                self._starts.setdefault(header.aux + 1, header.unit)
+            item = self._reader.first()
+            if item is None:  # not read yet: this rank waits for data
+                channel = self._channel[u % plan.workers]
+                waited = time.perf_counter()
+                self._seg.set_want(channel, u)
+                item = self._reader.first(wait=True)
+                self._seg.set_want(channel, None)
+                self._wait += time.perf_counter() - waited
+            kind, a, b, nbytes = item
+            if kind == "end":  # pass a ended before unit b
+                self._reader.pop()
+                self._starts.setdefault(a + 1, b)
                 continue
-            if header.unit != u:  # pragma: no cover - a broken invariant, never user error
-                raise RuntimeError(f"taas data plane: expected unit {u} of `{self.name}`, got {header.unit}")
-            value, nbytes = rx.take()
+            if kind == "error":
+                raise a
+            if a != u:  # pragma: no cover - a broken invariant, never user error
+                raise RuntimeError(f"taas data plane: expected unit {u} of `{self.name}`, got {a}")
+            self._reader.pop()
             self._next += plan.ranks
             self._units += 1
             self._bytes += nbytes
-            yield value
+            yield b
 
     def __len__(self) -> int:
         if self._length is None:
@@ -153,6 +219,7 @@ class LoaderView:
             return
         self._closed = True
         elapsed = time.perf_counter() - self._started
+        self._reader.stop()
         for rx in self._rx.values():
             rx.close()
         events.send("data.stats", loader=self.name, rank=self.rank, units=self._units,
