@@ -30,4 +30,6 @@ def render(session) -> str:
         codes = ", ".join(f"{k}={v}" for k, v in sorted(last.exit_codes.items()))
         if codes:
             lines.append(f"  exit codes: {codes}")
+        for line in getattr(last, "data", []):  # the data plane's figures, one line per loader
+            lines.append("  " + line.removeprefix("taas: "))
     return "\n".join(lines)
