@@ -418,3 +418,23 @@ def test_sharded_fsdp_objects_are_skipped_with_a_note(kernel, clean):
     assert run.error is None, run.traceback
     assert "`m` was not brought back" in run.stderr and "`opt` was not brought back" in run.stderr
     assert "DeviceMesh" not in run.stderr
+
+
+def test_restarted_kernel_leaves_no_worker(workdir):
+    k = Kernel(str(workdir))
+    try:
+        k.kc.execute("%%taas --gpus 2\nimport time\ntime.sleep(600)")
+        deadline = time.monotonic() + 60
+        while not any(p.name() == "taas-rank1" for p in k.descendants()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tree = [p.pid for p in k.descendants()]
+        assert any(psutil.Process(p).name() == "taas-rank1" for p in tree)
+        k.km.restart_kernel(now=True)
+        assert wait_until_gone(tree, timeout=5) == []
+        k.kc.wait_for_ready(timeout=60)
+        k.pid = k.km.provisioner.process.pid
+        assert k.run("%load_ext taas").error is None
+        again = k.run("%%taas --gpus 2\nprint('after restart')")
+        assert again.error is None and "[rank1] after restart" in again.stdout
+    finally:
+        k.shutdown()
