@@ -93,7 +93,7 @@ def test_register_checks_and_bookkeeping(clean_registry):
     data = [1, 2, 3]
     assert not registry.is_registered(data)
     registry.register(data)
-    assert registry.is_registered(data) and registry.registered() == ["this list"]
+    assert registry.is_registered(data) and registry.registered() == [object.__repr__(data)]
     with pytest.raises(RegistrationError, match="already registered"):
         registry.register(data)
     registry.unregister(data)

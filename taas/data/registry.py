@@ -92,7 +92,7 @@ def registered() -> list[str]:
     out = []
     for key, item in _entries.items():
         names = names_of.get(key)
-        out.extend(sorted(names) if names else [_describe(item.loader)])
+        out.extend(sorted(names) if names else [object.__repr__(item.loader)])
     return out
 
 
