@@ -257,16 +257,21 @@ def test_a_failing_loader_stops_the_job_naming_loader_and_worker(kernel, clean, 
     assert took < 15
 
 
-def test_a_hanging_loader_is_named_at_the_timeout(kernel, clean):
-    kernel.run("stuck = DataLoader(Own(40, fail=13, how='hang'), batch_size=2)\ntaas.register(stuck)")
+@pytest.mark.parametrize("fail, expected", [
+    (13, "loading unit 6 while rank0 waited"),  # after the ranks started
+    (1, "loading unit 0, before the ranks could start"),  # in the first slice
+])
+def test_a_hanging_loader_is_named_at_the_timeout(kernel, clean, fail, expected):
+    kernel.run(f"stuck = DataLoader(Own(40, fail={fail}, how='hang'), batch_size=2)\ntaas.register(stuck)")
     started = time.monotonic()
     run = kernel.run("%%taas --gpus 2 --cpus 2 --timeout 4\nfor b in stuck:\n    pass")
     took = time.monotonic() - started
+    kernel.run("taas.unregister(stuck)")
     assert run.status == "error"
     tb = plain(run.traceback)
     first = tb.splitlines()[0]
     assert "--timeout 4s" in first and "loader `stuck` worker 0 (loader:stuck:0)" in first, tb
-    assert "loading unit 6" in first and "waited" in first
+    assert expected in first, first
     assert "time.sleep(600)" in tb  # where it hung
     assert took < 4 + 8
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from taas.data import shm
+from taas.data import segment, shm
 from taas.data.transport import DATA, PASS_END
 
 Point = collections.namedtuple("Point", "x y")
@@ -34,9 +34,9 @@ def channel(tmp_path):
     held = []
 
     def make(bound=1 << 20):
-        seg = shm.Segment.create(shm.segment_name(job, 0), shm.Layout(1, 1, bound))
+        seg = segment.Segment.create(segment.segment_name(job, 0), segment.Layout(1, 1, bound))
         made.append(seg)
-        fifos = shm.make_fifos(str(tmp_path), 0, 0)
+        fifos = segment.make_fifos(str(tmp_path), 0, 0)
         held.extend(os.open(path, os.O_RDWR | os.O_NONBLOCK) for path in fifos)  # as the kernel does
         return seg, fifos
 
@@ -45,7 +45,7 @@ def channel(tmp_path):
         os.close(fd)
     for seg in made:
         seg.close()
-    shm.unlink_job(job)
+    segment.unlink_job(job)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"taas-{job}-")]
 
 
@@ -57,7 +57,7 @@ def produce(seg_name, fifos, values, pass_end=None):
         try:
             torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
             gc.disable()  # units must be freed by reference counting alone: no cycles
-            seg = shm.Segment.attach(seg_name)
+            seg = segment.Segment.attach(seg_name)
             tx = shm.ShmSender(seg, 0, fifos)
             ok = all(tx.put(u, v) for u, v in enumerate(values))
             if ok and pass_end is not None:
@@ -166,13 +166,13 @@ def test_backpressure_bounds_bytes_in_flight(channel):
     unit = torch.ones(64 * 1024)  # 256 KiB
     pid = produce(seg.name, fifos, [unit] * 40)
     deadline = time.monotonic() + 10
-    while not seg.channel(0, shm.C_WAITING) and time.monotonic() < deadline:
+    while not seg.channel(0, segment.C_WAITING) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert seg.channel(0, shm.C_WAITING) == 1, "the producer should wait for space"
+    assert seg.channel(0, segment.C_WAITING) == 1, "the producer should wait for space"
     time.sleep(0.2)
-    in_flight = seg.channel(0, shm.C_SENT_BYTES) - seg.channel(0, shm.C_TAKEN_BYTES)
+    in_flight = seg.channel(0, segment.C_SENT_BYTES) - seg.channel(0, segment.C_TAKEN_BYTES)
     assert 0 < in_flight <= bound
-    assert seg.channel(0, shm.C_UNITS) <= 4
+    assert seg.channel(0, segment.C_UNITS) <= 4
     rx = shm.ShmReceiver(seg, 0, fifos)
     gc.disable()
     try:
@@ -222,7 +222,7 @@ def test_a_closed_consumer_releases_a_waiting_producer(channel):
     rx = shm.ShmReceiver(seg, 0, fifos)
     rx.take()
     deadline = time.monotonic() + 10
-    while not seg.channel(0, shm.C_WAITING) and time.monotonic() < deadline:
+    while not seg.channel(0, segment.C_WAITING) and time.monotonic() < deadline:
         time.sleep(0.01)
     rx.close()
     assert exit_code(pid, timeout=5) == 3  # put() returned False: the consumer has gone
@@ -235,7 +235,7 @@ def test_a_dead_consumer_releases_a_waiting_producer(channel):
     if consumer == 0:
         try:
             torch.set_num_threads(1)
-            shm.ShmReceiver(shm.Segment.attach(seg.name), 0, fifos)
+            shm.ShmReceiver(segment.Segment.attach(seg.name), 0, fifos)
             time.sleep(0.3)
         finally:
             os._exit(0)

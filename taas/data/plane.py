@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from taas.data import plan as numbering
-from taas.data import registry, shm
+from taas.data import registry, segment
 from taas.errors import JobFailed, PackagingError
 from taas.launch.api import ProcessSpec
 
@@ -36,7 +36,7 @@ class _Loader:
     entry: registry.Entry
     length: int | None = None
     plan: numbering.Plan | None = None
-    segment: shm.Segment | None = None
+    header: segment.Segment | None = None  # the loader's header segment
     cfg: dict = field(default_factory=dict)
     produced: dict = field(default_factory=dict)  # worker -> units produced
     ready: set = field(default_factory=set)  # workers with their first slice ready
@@ -101,15 +101,15 @@ class DataPlane:
             plan = item.plan
             pairs = plan.pairs()
             buffer_mb = item.entry.buffer_mb or DEFAULT_BUFFER_MB
-            layout = shm.Layout(plan.workers, len(pairs), int(buffer_mb * 2**20) // len(pairs))
-            item.segment = shm.Segment.create(shm.segment_name(job_id, index), layout)
-            fifos = {c: shm.make_fifos(job_dir, index, c) for c in range(len(pairs))}
+            layout = segment.Layout(plan.workers, len(pairs), int(buffer_mb * 2**20) // len(pairs))
+            item.header = segment.Segment.create(segment.segment_name(job_id, index), layout)
+            fifos = {c: segment.make_fifos(job_dir, index, c) for c in range(len(pairs))}
             # A FIFO's bytes vanish when nobody has it open: a fast worker may send everything
             # and exit before its rank opens the FIFO, so the kernel holds each one open.
             self._fifo_fds += [os.open(path, os.O_RDWR | os.O_NONBLOCK) for two in fifos.values() for path in two]
             loader = item.entry.loader
             common = dict(name=item.name, units=plan.units, workers=plan.workers, ranks=plan.ranks,
-                          prefetch=plan.prefetch, segment=item.segment.name, fifos=fifos)
+                          prefetch=plan.prefetch, segment=item.header.name, fifos=fifos)
             item.cfg = dict(common, pickle=path, seed=seed)
             self.settings[item.name] = dict(
                 common, names=list(item.names), length=item.length,
@@ -191,47 +191,55 @@ class DataPlane:
 
     # -- failure ---------------------------------------------------------------------------
     def snapshot(self) -> list[dict]:
-        """Who waits for what, now: ranks waiting for units and what their workers do."""
+        """What every loader worker is doing now, and which ranks wait for its units."""
         now = time.monotonic()
         out = []
         for item in self.loaders:
-            seg, plan = item.segment, item.plan
+            seg, plan = item.header, item.plan
             if seg is None:
                 continue
-            pairs = plan.pairs()
-            for channel, (worker, rank) in enumerate(pairs):
-                want = seg.channel(channel, shm.C_WANT)
-                if not want:
-                    continue
+            waiting = {}  # worker -> (rank, unit, seconds) of the longest wait on it
+            for channel, (worker, rank) in enumerate(plan.pairs()):
+                want = seg.channel(channel, segment.C_WANT)
+                if want:
+                    wait = (rank, want - 1, now - seg.want_since(channel))
+                    if worker not in waiting or wait[2] > waiting[worker][2]:
+                        waiting[worker] = wait
+            for worker in range(plan.workers):
                 out.append(dict(
-                    loader=item.name, rank=rank, worker=worker, unit=want - 1,
-                    waited=now - seg.want_since(channel),
-                    state=seg.worker(worker, shm.W_STATE), worker_unit=seg.worker(worker, shm.W_UNIT),
-                    busy=now - seg.worker_since(worker),
+                    loader=item.name, worker=worker, state=seg.worker(worker, segment.W_STATE),
+                    unit=seg.worker(worker, segment.W_UNIT), busy=now - seg.worker_since(worker),
+                    prefetched=bool(seg.worker(worker, segment.W_PREFETCHED)), waiting=waiting.get(worker),
                 ))
         return out
 
     def note_timeout(self) -> None:
-        """The job hit --timeout: remember who was waiting for what, before it is stopped."""
+        """The job hit --timeout: remember what the loader workers were doing, before the stop."""
         self._timeout_snapshot = self.snapshot()
 
     def hang(self, timeout: float | None, name_for=None) -> JobFailed | None:
-        """After --timeout: if a rank was waiting for a unit its loader worker was still
-        loading, the loader hangs -- say so, with the worker's stack when it was stopped."""
+        """After --timeout: a loader worker still loading a unit that a rank waits for (or, before
+        the ranks could start, one of the first slice) is the culprit -- say so, with the worker's
+        stack when it was stopped."""
         from taas.io import failure
         from taas.worker import report
 
         snapshot = getattr(self, "_timeout_snapshot", None)
         if not snapshot or timeout is None:
             return None
-        stuck = [s for s in snapshot if s["state"] == shm.LOADING]
+        loading = [s for s in snapshot if s["state"] == segment.LOADING]
+        stuck = [s for s in loading if s["waiting"]] or [s for s in loading if not s["prefetched"]]
         if not stuck:
             return None
         s = max(stuck, key=lambda s: s["busy"])
         key = f"loader:{s['loader']}:{s['worker']}"
         message = (f"the job ran past --timeout {timeout:g}s: loader `{s['loader']}` worker "
-                   f"{s['worker']} ({key}) spent {s['busy']:.1f} s loading unit {s['worker_unit']} "
-                   f"while rank{s['rank']} waited {s['waited']:.1f} s for unit {s['unit']}")
+                   f"{s['worker']} ({key}) spent {s['busy']:.1f} s loading unit {s['unit']}")
+        if s["waiting"]:
+            rank, unit, waited = s["waiting"]
+            message += f" while rank{rank} waited {waited:.1f} s for unit {unit}"
+        else:
+            message += ", before the ranks could start (the first slice was not ready)"
         end = failure.ProcessEnd(key, 1, time.time(), record=report.read_error(self.job_dir, key))
         lines = failure.render(end, [], name_for)
         return JobFailed(message, [f"{failure.RED}{failure.BOLD}{message}{failure.RESET}"] + lines[1:], end)
@@ -240,14 +248,14 @@ class DataPlane:
         while self._fifo_fds:
             os.close(self._fifo_fds.pop())
         for item in self.loaders:
-            if item.segment is not None:
+            if item.header is not None:
                 try:
-                    item.segment.close()
+                    item.header.close()
                 except Exception:
                     pass
-                item.segment = None
+                item.header = None
         if self.job_id:
-            shm.unlink_job(self.job_id)
+            segment.unlink_job(self.job_id)
 
 
 def _read_by_functions(values: dict) -> list[tuple[str, object]]:

@@ -1,33 +1,23 @@
 """The one-machine transport: units in pooled shared-memory blocks, lent to the ranks.
 
-Per loader per job, a header segment ``/dev/shm/taas-<job>-<loader>`` (created by the kernel)
-holds the workers' status and one pair of counter lines per channel.  A channel's producer
-(the loader worker) writes each unit into a *block*, a shared-memory segment
-``taas-<job>-<loader>-c<channel>-b<n>`` it created, and sends a 32-byte message naming the
-block through the channel's ``data`` FIFO.  The consumer (a rank) maps the block (once; blocks
-are reused) and builds the unit's tensors *over the block* -- no copy on the rank side.  When the
+A channel's producer (a loader worker) writes each unit into a *block*, a shared-memory segment
+``taas-<job>-<loader>-c<channel>-b<n>`` it created, and sends a 32-byte message naming the block
+through the channel's ``data`` FIFO.  The consumer (a rank) maps the block (once; blocks are
+reused) and builds the unit's tensors *over the block* -- no copy on the rank side.  When the
 last of them is garbage, the block goes back to the producer's pool (a message on the ``space``
-FIFO) and is reused without page faults.  So each unit's bytes are copied once, by the producer.
+FIFO) and is reused without page faults.  A default-collated batch is stacked straight into its
+block (a :class:`Draft`), so a unit's bytes are written once, by the producer.
 
 Bounded: the producer waits while the bytes *in flight* (sent, not yet taken by the rank) would
 exceed the channel's bound, or 256 messages are in flight.  What a rank keeps after taking it is
 its own memory (the pool grows rather than the channel deadlocking); free blocks beyond the
-bound are retired.  All names start with ``taas-<job id>-``: the kernel unlinks them when the
-job ends, the start process when the kernel died.
-
-Header segment, in u64 words::
-
-    0           global    magic, version, workers, channels, bound
-    512         workers   64 bytes each: produced, state, unit, since (f64), prefetched
-    ...         channels  128 bytes each: producer line (sent msgs, sent bytes, units, waiting)
-                                          consumer line (taken msgs, taken bytes, pid, closed,
-                                          wanted unit + 1, since (f64))
+bound are retired.  The counters both sides read live in the loader's header segment
+(:mod:`taas.data.segment`).
 
 Block: a 64-byte header (size and where the parts are), tensors a collate function wrote in
-place (a :class:`Draft`), the pickled structure, the buffer table, then the copied blobs,
-64-byte aligned.  A side about to wait drains its FIFO, checks the counters
-again, then sleeps in ``select``; a full FIFO means the other side has bytes to read, so no
-wake-up is lost.
+place, the pickled structure, the buffer table, then the copied blobs, 64-byte aligned.  A side
+about to wait drains its FIFO, checks the counters again, then sleeps in ``select``; a full FIFO
+means the other side has bytes to read, so no wake-up is lost.
 """
 
 from __future__ import annotations
@@ -37,36 +27,21 @@ import os
 import select
 import struct
 import threading
-import time
 import weakref
-from dataclasses import dataclass
 
-import _posixshmem
-
+from taas.data.segment import (
+    C_CLOSED, C_PID, C_SENT_BYTES, C_SENT_MSGS, C_TAKEN_BYTES, C_TAKEN_MSGS, C_UNITS, C_WAITING,
+    Segment, _alive, _open_fifo, _read_all, _shm_attach, _shm_create, unlink,
+)
 from taas.data.transport import DATA, PASS_END, Header, Receiver, Sender, align, decode, encode
 
-MAGIC = 0x7461617364617461
-VERSION = 2
-GLOBAL_BYTES, WORKER_BYTES, CHANNEL_BYTES = 512, 64, 128
 MAX_IN_FLIGHT = 256  # messages per channel (the data FIFO holds 2048)
-# worker words
-W_PRODUCED, W_STATE, W_UNIT, W_SINCE, W_PREFETCHED = range(5)
-STARTING, LOADING, BLOCKED, DONE = range(4)
-STATE_NAMES = {STARTING: "starting", LOADING: "loading", BLOCKED: "waiting for buffer space", DONE: "done"}
-# channel words: producer line, consumer line (its own cache line)
-C_SENT_MSGS, C_SENT_BYTES, C_UNITS, C_WAITING = 0, 1, 2, 3
-C_TAKEN_MSGS, C_TAKEN_BYTES, C_PID, C_CLOSED, C_WANT, C_WANT_SINCE = 8, 9, 10, 11, 12, 13
 RETIRE = 9  # message kind: the producer unlinked a block; unmap it
 FREED, TAKEN = 1, 2  # space messages
 _MSG = struct.Struct("<4Q")  # kind, unit, block, aux
 _BACK = struct.Struct("<2Q")  # kind, block
 _BLOCK = struct.Struct("<8Q")  # size, meta at, meta length, buffers, table at, blobs at
 _ENTRY = struct.Struct("<2Q")
-SHM_PREFIX = "taas-"
-
-
-def segment_name(job_id: str, index: int) -> str:
-    return f"{SHM_PREFIX}{job_id}-{index}"
 
 
 def size_class(n: int) -> int:
@@ -74,161 +49,6 @@ def size_class(n: int) -> int:
     n = max(n, 4096)
     step = max(4096, (1 << (n - 1).bit_length()) // 8)
     return (n + step - 1) // step * step
-
-
-@dataclass(frozen=True)
-class Layout:
-    workers: int
-    channels: int
-    bound: int  # bytes in flight per channel
-
-    @property
-    def channels_offset(self) -> int:
-        return GLOBAL_BYTES + self.workers * WORKER_BYTES
-
-    @property
-    def size(self) -> int:
-        return self.channels_offset + self.channels * CHANNEL_BYTES
-
-
-def _shm_create(name: str, size: int) -> mmap.mmap:
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    except BaseException:
-        unlink(name)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _shm_attach(name: str) -> mmap.mmap:
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
-def unlink(name: str) -> None:
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
-
-
-def unlink_job(job_id: str) -> list[str]:
-    """Unlink every segment of job ``job_id`` (the header and all blocks); returns the names."""
-    prefix = f"{SHM_PREFIX}{job_id}-"
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    except OSError:
-        return []
-    for name in names:
-        unlink(name)
-    return names
-
-
-class Segment:
-    """A loader's header segment, mapped.  ``q``/``d`` see its words as u64 / f64."""
-
-    def __init__(self, name: str, mm: mmap.mmap, layout: Layout):
-        self.name, self.mm, self.layout = name, mm, layout
-        self.q = memoryview(mm).cast("Q")
-        self.d = memoryview(mm).cast("d")
-
-    @classmethod
-    def create(cls, name: str, layout: Layout) -> "Segment":
-        seg = cls(name, _shm_create(name, layout.size), layout)
-        for i, v in enumerate((MAGIC, VERSION, layout.workers, layout.channels, layout.bound)):
-            seg.q[i] = v
-        return seg
-
-    @classmethod
-    def attach(cls, name: str) -> "Segment":
-        mm = _shm_attach(name)
-        magic, version, workers, channels, bound = struct.unpack_from("<5Q", mm, 0)
-        if magic != MAGIC or version != VERSION:
-            mm.close()
-            raise RuntimeError(f"shared-memory segment {name} is not a taas data segment")
-        return cls(name, mm, Layout(workers, channels, bound))
-
-    def _w(self, worker: int, word: int) -> int:
-        return (GLOBAL_BYTES + worker * WORKER_BYTES) // 8 + word
-
-    def _c(self, channel: int, word: int) -> int:
-        return (self.layout.channels_offset + channel * CHANNEL_BYTES) // 8 + word
-
-    def worker(self, worker: int, word: int) -> int:
-        return self.q[self._w(worker, word)]
-
-    def set_worker(self, worker: int, word: int, value: int) -> None:
-        self.q[self._w(worker, word)] = value
-
-    def worker_since(self, worker: int) -> float:
-        return self.d[self._w(worker, W_SINCE)]
-
-    def set_worker_state(self, worker: int, state: int, unit: int = 0) -> None:
-        self.d[self._w(worker, W_SINCE)] = time.monotonic()
-        self.q[self._w(worker, W_UNIT)] = unit
-        self.q[self._w(worker, W_STATE)] = state
-
-    def channel(self, channel: int, word: int) -> int:
-        return self.q[self._c(channel, word)]
-
-    def set_channel(self, channel: int, word: int, value: int) -> None:
-        self.q[self._c(channel, word)] = value
-
-    def want_since(self, channel: int) -> float:
-        return self.d[self._c(channel, C_WANT_SINCE)]
-
-    def set_want(self, channel: int, unit: int | None) -> None:
-        if unit is None:
-            self.q[self._c(channel, C_WANT)] = 0
-        else:
-            self.d[self._c(channel, C_WANT_SINCE)] = time.monotonic()
-            self.q[self._c(channel, C_WANT)] = unit + 1
-
-    def close(self) -> None:
-        self.q.release()
-        self.d.release()
-        self.mm.close()
-
-
-def make_fifos(directory: str, loader: int, channel: int) -> tuple[str, str]:
-    paths = (os.path.join(directory, f"data-{loader}-{channel}.fifo"),
-             os.path.join(directory, f"space-{loader}-{channel}.fifo"))
-    for path in paths:
-        os.mkfifo(path, 0o600)
-    return paths
-
-
-def _open_fifo(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_NONBLOCK)  # never blocks on open, never sees EOF
-
-
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    try:
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    except BlockingIOError:
-        pass
-    return b"".join(chunks)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class _Block:

@@ -80,7 +80,7 @@ def units(loader, worker: int, workers: int, total: int, seed: int, skip=None, o
             iterator = iter(loader)
             try:
                 while u < total:
-                    if u % workers == worker and on_fetch and not (skip and skip(u)):
+                    if on_fetch:  # every element: a worker that hangs on one it skips is named too
                         on_fetch(u)
                     try:
                         value = next(iterator)

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 
-from taas.data import shm
+from taas.data import segment, shm
 from taas.data.plan import Plan, share
 from taas.data.transport import PASS_END
 from taas.worker import events
@@ -135,7 +135,7 @@ class LoaderView:
         self._length = cfg["length"]
         self.batch_size = cfg.get("batch_size")
         self.dataset = _DatasetInfo(cfg.get("dataset_len"), cfg.get("dataset_type", "dataset"))
-        self._seg = shm.Segment.attach(cfg["segment"])
+        self._seg = segment.Segment.attach(cfg["segment"])
         self._rx = {}
         self._channel = {}
         for worker in self._plan.workers_of(rank):
@@ -211,7 +211,7 @@ class LoaderView:
     # -- life cycle ------------------------------------------------------------------------
     def _await_prefetch(self) -> None:
         seg, workers = self._seg, range(self._plan.workers)
-        while not all(seg.worker(w, shm.W_PREFETCHED) for w in workers):
+        while not all(seg.worker(w, segment.W_PREFETCHED) for w in workers):
             time.sleep(0.005)
 
     def _close(self) -> None:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from taas.data import shm, source
+from taas.data import segment, shm, source
 from taas.data.plan import Plan
 from taas.worker import events, report
 
@@ -66,15 +66,15 @@ def _run(cfg: dict, state: dict) -> int:
     plan = Plan(cfg["units"], cfg["workers"], cfg["ranks"], cfg["prefetch"])
     with open(cfg["pickle"], "rb") as f:
         loader = cloudpickle.load(f)
-    seg = shm.Segment.attach(cfg["segment"])
+    seg = segment.Segment.attach(cfg["segment"])
     progress = _Progress(seg, name, worker, plan.prefetch_of(worker))
 
     def on_wait(waiting: bool) -> None:
         if waiting:
-            seg.set_worker_state(worker, shm.BLOCKED, state["unit"] or 0)
+            seg.set_worker_state(worker, segment.BLOCKED, state["unit"] or 0)
             progress.ready()  # a full buffer is as ready as it gets
         else:
-            seg.set_worker_state(worker, shm.LOADING, state["unit"] or 0)
+            seg.set_worker_state(worker, segment.LOADING, state["unit"] or 0)
 
     senders = {}
     for rank in plan.ranks_of(worker):
@@ -84,7 +84,7 @@ def _run(cfg: dict, state: dict) -> int:
 
     def on_fetch(unit: int) -> None:
         state["unit"] = unit
-        seg.set_worker_state(worker, shm.LOADING, unit)
+        seg.set_worker_state(worker, segment.LOADING, unit)
 
     def skip(unit: int) -> bool:
         return senders[unit % plan.ranks].gone
@@ -108,7 +108,7 @@ def _run(cfg: dict, state: dict) -> int:
                 sender.end_pass(a, b)
         if all(sender.gone for sender in senders.values()):
             break
-    seg.set_worker_state(worker, shm.DONE)
+    seg.set_worker_state(worker, segment.DONE)
     progress.done(produced)
     return 0
 
@@ -126,7 +126,7 @@ class _Progress:
 
     def produced(self, count: int) -> None:
         self.count = count
-        self.seg.set_worker(self.worker, shm.W_PRODUCED, count)
+        self.seg.set_worker(self.worker, segment.W_PRODUCED, count)
         if count >= self.prefetch and not self.is_ready:
             self.ready()
         elif time.monotonic() - self.sent_at >= PROGRESS_INTERVAL:
@@ -135,12 +135,12 @@ class _Progress:
     def ready(self) -> None:
         if not self.is_ready:
             self.is_ready = True
-            self.seg.set_worker(self.worker, shm.W_PREFETCHED, 1)
+            self.seg.set_worker(self.worker, segment.W_PREFETCHED, 1)
             self._send()
 
     def done(self, count: int) -> None:
         self.count = count
-        self.seg.set_worker(self.worker, shm.W_PRODUCED, count)
+        self.seg.set_worker(self.worker, segment.W_PRODUCED, count)
         self.ready()
         self._send(done=True)
 

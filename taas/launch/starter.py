@@ -263,7 +263,7 @@ class Starter:
 
 def _unlink_shared_memory(job_id: str) -> None:
     try:
-        from taas.data.shm import unlink_job
+        from taas.data.segment import unlink_job
 
         unlink_job(job_id)
     except Exception:
