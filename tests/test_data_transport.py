@@ -201,7 +201,7 @@ def test_a_rank_that_keeps_every_unit_does_not_block_the_channel(channel):
 
 def test_blocks_are_reused_only_after_their_tensors_are_garbage(channel):
     seg, fifos = channel(1 << 20)
-    pid = produce(seg.name, fifos, [(torch.full((1000,), float(u)),) for u in range(200)])
+    pid = produce(seg.name, fifos, [(torch.full((20_000,), float(u)),) for u in range(200)])  # 80 kB: lent
     rx = shm.ShmReceiver(seg, 0, fifos)
     views = {}
     for u in range(200):
@@ -270,4 +270,27 @@ def test_units_collated_in_place_arrive_equal_and_are_not_copied(channel):
         assert tx.put(u, value, draft)
         got, _ = rx.take()
         assert same(got, default_collate(batch(u))), u
+    rx.close()
+
+
+def test_small_units_are_copied_so_keeping_them_pins_no_block(channel):
+    seg, fifos = channel(1 << 20)
+    tx = shm.ShmSender(seg, 0, fifos)
+    rx = shm.ShmReceiver(seg, 0, fifos)
+    kept = []
+    for u in range(300):
+        assert tx.put(u, (torch.tensor([u, u]), torch.zeros(1000, 100)[u % 2: u % 2 + 1]))
+        kept.append(rx.take()[0])
+    assert len(tx.blocks) <= 2  # every small unit's block came back at once
+    assert all(torch.equal(k[0], torch.tensor([u, u])) for u, k in enumerate(kept))
+    big = torch.arange(100_000.0)  # 400 kB: lent, not copied
+    assert tx.put(300, big)
+    lent, _ = rx.take()
+    block = max(tx.blocks)  # the newest block holds it
+    tx._collect()
+    assert torch.equal(lent, big) and block not in {b.id for b in tx.free}
+    del lent
+    gc.collect()
+    tx._collect()
+    assert block in {b.id for b in tx.free}  # back in the pool once its tensor is garbage
     rx.close()

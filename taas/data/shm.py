@@ -3,7 +3,8 @@
 A channel's producer (a loader worker) writes each unit into a *block*, a shared-memory segment
 ``taas-<job>-<loader>-c<channel>-b<n>`` it created, and sends a 32-byte message naming the block
 through the channel's ``data`` FIFO.  The consumer (a rank) maps the block (once; blocks are
-reused) and builds the unit's tensors *over the block* -- no copy on the rank side.  When the
+reused) and builds the unit's tensors *over the block* -- no copy on the rank side (units under
+64 KiB are copied: cheap, and a rank that keeps thousands of them then pins no blocks).  When the
 last of them is garbage, the block goes back to the producer's pool (a message on the ``space``
 FIFO) and is reused without page faults.  A default-collated batch is stacked straight into its
 block (a :class:`Draft`), so a unit's bytes are written once, by the producer.
@@ -36,6 +37,7 @@ from taas.data.segment import (
 from taas.data.transport import DATA, PASS_END, Header, Receiver, Sender, align, decode, encode
 
 MAX_IN_FLIGHT = 256  # messages per channel (the data FIFO holds 2048)
+COPY_BELOW = 64 * 1024  # units this small are copied out of their block (cheap), not lent
 RETIRE = 9  # message kind: the producer unlinked a block; unmap it
 FREED, TAKEN = 1, 2  # space messages
 _MSG = struct.Struct("<4Q")  # kind, unit, block, aux
@@ -290,14 +292,15 @@ class ShmReceiver(Receiver):
         buffers = [bytearray(mm[blob + off:blob + off + n]) for off, n in table]
         lease = memoryview(mm)
         lent = []
+        copy = self.pin or size <= COPY_BELOW  # small units are copied: kept ones pin no block
 
         def tensor_at(offset: int, nbytes: int, dtype, shape, in_place: bool):
             import torch
 
             start = offset if in_place else blob + offset
             t = torch.frombuffer(lease, dtype=dtype, count=nbytes // _itemsize(dtype), offset=start)
-            if self.pin:
-                t = t.pin_memory()
+            if copy:
+                t = t.pin_memory() if self.pin else t.clone()
             else:
                 lent.append(True)
             return t.view(shape)
