@@ -119,3 +119,39 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def unmapped_shm(names: set, wait: float = 3.0) -> set:
+    """The /dev/shm entries among ``names`` that no process maps: leaked.  (Other kernels on
+    this machine may be running jobs too: their segments are mapped, not ours to judge.)"""
+    deadline = time.monotonic() + wait
+    while True:
+        left = {n for n in names if os.path.exists(f"/dev/shm/{n}")}
+        if left:
+            mapped = set()
+            for pid in os.listdir("/proc"):
+                if pid.isdigit():
+                    try:
+                        with open(f"/proc/{pid}/maps") as f:
+                            text = f.read()
+                    except OSError:
+                        continue
+                    mapped |= {n for n in left if f"/dev/shm/{n}" in text}
+            left -= mapped
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def process_name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
+
+
+def cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []

@@ -9,10 +9,9 @@ import signal
 import textwrap
 import time
 
-import psutil
 import pytest
 
-from tests.kernel_driver import Kernel, listening_ports, shm_entries, wait_until_gone
+from tests.kernel_driver import Kernel, process_name, shm_entries, wait_until_gone
 
 pytestmark = pytest.mark.kernel
 
@@ -104,61 +103,6 @@ def kernel(tmp_path_factory):
     k.shutdown()
 
 
-@pytest.fixture
-def clean(kernel):
-    """Nothing left after the job: no process but the warm start process, no /dev/shm entry,
-    no new listening port."""
-    shm_before = shm_entries()
-    pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
-    ports_before = listening_ports(pids)
-    yield
-    time.sleep(0.2)
-    extra = [p for p in kernel.descendants() if "taas.launch.starter" not in " ".join(_cmdline(p))]
-    assert wait_until_gone([p.pid for p in extra]) == [], [_cmdline(p) for p in extra]
-    starters = [p for p in kernel.descendants() if p not in extra and p.ppid() == kernel.pid]
-    assert len(starters) <= 1
-    for starter in starters:  # only idle children forked ahead for the next job may stay
-        kept = [c for c in starter.children() if _name(c) != "taas-ready"]
-        assert wait_until_gone([c.pid for c in kept]) == [], [_cmdline(c) for c in kept]
-    assert orphans(shm_entries() - shm_before) == set()
-    pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
-    assert listening_ports(pids) - ports_before == set()
-
-
-def orphans(names: set, wait: float = 3.0) -> set:
-    """The taas segments among ``names`` that no process maps: leaked.  (Other kernels on this
-    machine may be running jobs with loaders: their segments are mapped, not ours to judge.)"""
-    deadline = time.monotonic() + wait
-    while True:
-        left = {n for n in names if n.startswith("taas-") and os.path.exists(f"/dev/shm/{n}")}
-        if left:
-            mapped = set()
-            for maps in os.listdir("/proc"):
-                if maps.isdigit():
-                    try:
-                        with open(f"/proc/{maps}/maps") as f:
-                            text = f.read()
-                    except OSError:
-                        continue
-                    mapped |= {n for n in left if f"/dev/shm/{n}" in text}
-            left -= mapped
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
-def _name(p):
-    try:
-        return p.name()
-    except psutil.Error:
-        return ""
-
-
-def _cmdline(p):
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
 
 
 def test_every_unit_exactly_once_in_passes_with_equal_structures(kernel, clean):
@@ -311,7 +255,7 @@ def test_a_killed_kernel_leaves_no_loader_worker_or_shared_memory(tmp_path):
         k.run("slow = DataLoader(Own(2000, how='slow'), batch_size=1)\ntaas.register(slow)")
         k.kc.execute("%%taas --gpus 2 --cpus 2 --units 1000\nimport time\nfor b in slow:\n    time.sleep(1)")
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len([p for p in k.descendants() if _name(p).startswith(
+        while time.monotonic() < deadline and len([p for p in k.descendants() if process_name(p).startswith(
                 ("taas-rank", "taas-loader"))]) < 4:
             time.sleep(0.1)
         time.sleep(1.5)  # blocks exist by now

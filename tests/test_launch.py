@@ -1,6 +1,5 @@
 """The local launcher with real processes: output, exit codes, signals, and nothing left behind."""
 
-import os
 import time
 
 import psutil

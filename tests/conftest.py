@@ -1,0 +1,31 @@
+"""Fixtures shared by the real-kernel tests."""
+
+import time
+
+import pytest
+
+from tests.kernel_driver import (cmdline, listening_ports, process_name, shm_entries,
+                                 unmapped_shm, wait_until_gone)
+
+
+@pytest.fixture
+def clean(kernel):
+    """After the test's job: no process but the warm start process (and the idle children it
+    forked ahead for the next job), no leaked /dev/shm entry, no new listening port.
+
+    Uses the ``kernel`` fixture of the requesting test module."""
+    shm_before = shm_entries()
+    pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
+    ports_before = listening_ports(pids)
+    yield
+    time.sleep(0.2)
+    extra = [p for p in kernel.descendants() if "taas.launch.starter" not in " ".join(cmdline(p))]
+    assert wait_until_gone([p.pid for p in extra]) == [], [cmdline(p) for p in extra]
+    starters = [p for p in kernel.descendants() if p not in extra and p.ppid() == kernel.pid]
+    assert len(starters) <= 1
+    for starter in starters:
+        kept = [c for c in starter.children() if process_name(c) != "taas-ready"]
+        assert wait_until_gone([c.pid for c in kept]) == [], [process_name(c) for c in kept]
+    assert unmapped_shm(shm_entries() - shm_before) == set()
+    pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
+    assert listening_ports(pids) - ports_before == set()
