@@ -93,7 +93,7 @@ class Session:
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
         plane = self._data_plane(values, options, world, device)
-        blob = package.ship(values)
+        blob = package.ship(values, plane.stand_ins() if plane is not None else None)
         if note:
             sink.write("stderr", note + "\n")
 

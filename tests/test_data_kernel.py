@@ -172,6 +172,33 @@ def test_a_function_that_reads_the_loader_gets_the_view(kernel, clean):
     assert sum(counted) == 22 and len(counted) == 2  # one pass, shared, not 22 each
 
 
+def test_a_loader_read_only_by_functions_never_travels_to_the_ranks(kernel, clean):
+    kernel.run(cell("""
+        class Tattling(torch.utils.data.Dataset):
+            \"\"\"Says where it is unpickled: loader workers may, ranks must not.\"\"\"
+            def __init__(self):
+                self.state = "non-empty, so unpickling calls __setstate__"
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                return i
+            def __setstate__(self, state):
+                self.__dict__.update(state)
+                if "RANK" in os.environ:
+                    print("dataset unpickled in a rank", flush=True)
+        tattling = DataLoader(Tattling(), batch_size=2)
+        taas.register(tattling)
+        by_name = {"train": tattling}
+        def batches():  # len() first: it is the share of the next pass, 0 once used up
+            return len(by_name["train"]), [len(b) for b in tattling]
+        """))
+    run = kernel.run("%%taas --gpus 2\nprint('seen', batches())")
+    kernel.run("taas.unregister(tattling)")
+    assert run.error is None, run.traceback
+    assert "unpickled in a rank" not in run.stdout
+    assert "[rank0] seen (2, [2, 2])" in run.stdout and "[rank1] seen (2, [2, 2])" in run.stdout
+
+
 def test_a_rank_that_stops_early_ends_the_job_promptly(kernel, clean):
     kernel.run("slow = DataLoader(Own(2000, how='slow'), batch_size=1)\ntaas.register(slow)")
     started = time.monotonic()

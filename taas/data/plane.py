@@ -81,6 +81,10 @@ class DataPlane:
             item.plan = numbering.Plan(units, options.cpus, world, prefetch)
         return cls(list(found.values()), world, device)
 
+    def stand_ins(self) -> dict[int, str]:
+        """The registered loaders as objects that must not travel to ranks (see package.ship)."""
+        return {id(item.entry.loader): item.name for item in self.loaders}
+
     def open(self, job_id: str, job_dir: str) -> None:
         import cloudpickle
         import torch

@@ -25,6 +25,12 @@ from taas.data.transport import PASS_END
 from taas.worker import events
 
 _views: list["LoaderView"] = []
+_by_name: dict[str, "LoaderView"] = {}
+
+
+def view_named(name: str) -> "LoaderView":
+    """This rank's view of the registered loader the notebook calls ``name``."""
+    return _by_name[name]
 
 
 def install_views(loaders: dict, namespace: dict) -> None:
@@ -35,6 +41,7 @@ def install_views(loaders: dict, namespace: dict) -> None:
         _views.append(view)
         for alias in cfg["names"]:
             namespace[alias] = view
+            _by_name[alias] = view
     for view in _views:
         view._await_prefetch()
     waited = time.perf_counter() - started
@@ -45,6 +52,7 @@ def install_views(loaders: dict, namespace: dict) -> None:
 
 def close_views() -> None:
     """This rank is done with its views (whatever happened): stats out, channels closed."""
+    _by_name.clear()
     while _views:
         view = _views.pop()
         try:

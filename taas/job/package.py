@@ -12,6 +12,7 @@ Unreferenced notebook values are never touched.
 from __future__ import annotations
 
 import inspect
+import io
 import pickle
 import types
 from dataclasses import dataclass, field
@@ -52,10 +53,62 @@ def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | fr
     return out
 
 
-def ship(values: dict) -> bytes:
-    """cloudpickle ``values`` as one blob (so shipped functions share one globals dict)."""
+class _StandInPickler(cloudpickle.Pickler):
+    """cloudpickle that writes a name instead of each object in ``stand_ins`` (id -> name)."""
+
+    def __init__(self, file, stand_ins: dict[int, str]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._stand_ins = stand_ins
+
+    def persistent_id(self, obj):
+        return self._stand_ins.get(id(obj))
+
+
+class StandIn:
+    """In a rank: what arrives where the notebook had an object that must not travel (a
+    registered loader, found by name among this rank's data views)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _target(self):
+        from taas.data.view import view_named
+
+        return view_named(self.name)
+
+    def __iter__(self):
+        return iter(self._target())
+
+    def __len__(self):
+        return len(self._target())
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return getattr(self._target(), attr)
+
+    def __repr__(self) -> str:
+        return f"<taas stand-in for registered loader {self.name!r}>"
+
+
+class _StandInUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        return StandIn(pid)
+
+
+def ship(values: dict, stand_ins: dict[int, str] | None = None) -> bytes:
+    """cloudpickle ``values`` as one blob (so shipped functions share one globals dict).
+
+    ``stand_ins`` (id(obj) -> name) are objects that must not travel even when a shipped
+    function reads them -- registered loaders, which loader workers get instead: each is
+    written as its name and arrives as a :class:`StandIn`.
+    """
     try:
-        return cloudpickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        if not stand_ins:
+            return cloudpickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _StandInPickler(buffer, stand_ins).dump(values)
+        return buffer.getvalue()
     except Exception as exc:  # find the culprit to name it
         for name, value in values.items():
             path = _unshippable(name, value, seen=set())
@@ -126,7 +179,7 @@ def unship(blob: bytes) -> dict:
     globals dict; running the cell in that very dict keeps notebook semantics (a function sees
     the cell's later rebinding of a global it reads).
     """
-    values = cloudpickle.loads(blob)
+    values = _StandInUnpickler(io.BytesIO(blob)).load()
     namespace = None
     for value in values.values():
         g = _globals_of(value)
