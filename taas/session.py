@@ -103,7 +103,6 @@ class Session:
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],
                                      config=options.config)
         store = handle = None
-        self._plane = plane
         started = time.monotonic()
         try:
             if plane is not None:
@@ -118,11 +117,11 @@ class Session:
             with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
                 pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
             store = _agent_store(world)
-            spec = self._launch_spec(job_id, job_dir, world, store.port, device)
+            spec = self._launch_spec(job_id, job_dir, world, store.port, plane)
             handle = self.launcher.start(spec)
             show = None if options.show is None else {f"rank{r}" for r in options.show}
             router = OutputRouter(sink, [p.key for p in spec.processes], show, tag=world > 1)
-            ends = self._supervise(handle, router, sink, options.timeout, started)
+            ends = self._supervise(handle, router, sink, plane, options.timeout, started)
             stats.exit_codes = {k: e.returncode for k, e in ends.items()}
             if any(end.failed for end in ends.values()):
                 router.replay_hidden("--- recent output of {key} ---")
@@ -148,14 +147,11 @@ class Session:
             if plane is not None:
                 plane.finish(sink)
                 plane.close()  # unlinks the job's shared memory
-            self._plane = None
             stats.wall_s = time.monotonic() - started
             store = None  # closes its listening port
             shutil.rmtree(job_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------
-    _plane = None  # the running job's DataPlane, if its cell reads registered loaders
-
     def _data_plane(self, values: dict, options, world: int, device: str):
         """Registered loaders the cell reads leave ``values`` (loader workers get them; the
         ranks get views): their DataPlane, or None."""
@@ -163,7 +159,7 @@ class Session:
 
         return DataPlane.plan(values, options, world, device)
 
-    def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, device: str) -> LaunchSpec:
+    def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane) -> LaunchSpec:
         common = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -195,11 +191,11 @@ class Session:
                        TAAS_SCRATCH=scratch)
             processes.append(ProcessSpec(key=f"rank{rank}", entry="taas.worker.rank:main", env=env,
                                          read_only_cwd=rank != 0))
-        if self._plane is not None:
-            processes.extend(self._plane.processes(common))
+        if plane is not None:
+            processes.extend(plane.processes(common))
         return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=os.getcwd(), processes=tuple(processes))
 
-    def _supervise(self, handle, router: OutputRouter, sink, timeout: float | None, started: float):
+    def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float):
         """Pump output until every process ended; stop all at the first failure."""
         ends: dict[str, failure.ProcessEnd] = {}
         keys = list(handle.pids)
@@ -208,7 +204,7 @@ class Session:
             while len(ends) < len(keys):
                 for event in handle.events(0.05):
                     if isinstance(event, OutputChunk):
-                        self._on_output(event, router, sink)
+                        self._on_output(event, router, sink, plane)
                     elif isinstance(event, ProcessExit):
                         ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time())
                         if event.returncode != 0 and not stopping:
@@ -217,17 +213,17 @@ class Session:
                 router.tick()
                 if timeout is not None and not stopping and time.monotonic() - started > timeout:
                     stopping = True
-                    if self._plane is not None:
-                        self._plane.note_timeout()  # who waited for which loader, before the stop
+                    if plane is not None:
+                        plane.note_timeout()  # who waited for which loader, before the stop
                     handle.stop(STOP_GRACE)
                     for event in handle.drain():
                         if isinstance(event, OutputChunk):
-                            self._on_output(event, router, sink)
+                            self._on_output(event, router, sink, plane)
                     router.close()
                     raise JobFailed(f"the job ran past --timeout {timeout:g}s; all its processes were stopped")
             for event in handle.drain():
                 if isinstance(event, OutputChunk):
-                    self._on_output(event, router, sink)
+                    self._on_output(event, router, sink, plane)
         except KeyboardInterrupt:
             handle.stop(STOP_GRACE)
             router.close()
@@ -235,7 +231,7 @@ class Session:
         router.close()
         return ends
 
-    def _on_output(self, chunk: OutputChunk, router: OutputRouter, sink) -> None:
+    def _on_output(self, chunk: OutputChunk, router: OutputRouter, sink, plane) -> None:
         if chunk.stream != "events":
             router.feed(chunk.key, chunk.stream, chunk.data)
             return
@@ -246,13 +242,13 @@ class Session:
                 message = json.loads(line)
             except ValueError:
                 continue
-            self._on_event(chunk.key, message, sink)
+            self._on_event(chunk.key, message, sink, plane)
 
-    def _on_event(self, key: str, message: dict, sink) -> None:
+    def _on_event(self, key: str, message: dict, sink, plane) -> None:
         if message.get("kind") == "display" and hasattr(sink, "display"):
             sink.display(message.get("data", {}), message.get("metadata", {}))
-        elif str(message.get("kind")).startswith("data.") and self._plane is not None:
-            self._plane.on_event(key, message, sink)
+        elif str(message.get("kind")).startswith("data.") and plane is not None:
+            plane.on_event(key, message, sink)
 
     def _results(self, job_dir: str, options) -> CellResult:
         result = CellResult()
