@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from taas import directive
 from taas.errors import CellSyntaxError, JobFailed
 from taas.io import failure
-from taas.io.output import OutputRouter, Sink, TerminalSink
+from taas.io.output import LineSplitter, OutputRouter, Sink, TerminalSink
 from taas.job import analysis, package
-from taas.launch.api import LaunchSpec, OutputChunk, ProcessExit, ProcessSpec
+from taas.launch.api import LaunchSpec, ProcessExit, ProcessSpec
 from taas.launch.local import LocalLauncher
 from taas.worker import report
 
@@ -200,30 +200,37 @@ class Session:
         ends: dict[str, failure.ProcessEnd] = {}
         keys = list(handle.pids)
         stopping = False
+        # Event lines can be larger than a pipe's buffer: reassemble them across reads.
+        event_lines: dict[str, LineSplitter] = {}
+
+        def deliver(events) -> None:
+            nonlocal stopping
+            for event in events:
+                if isinstance(event, ProcessExit):
+                    ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time())
+                    if event.returncode != 0 and not stopping:
+                        stopping = True
+                        handle.stop(STOP_GRACE)
+                elif event.stream != "events":
+                    router.feed(event.key, event.stream, event.data)
+                else:
+                    lines, _ = event_lines.setdefault(event.key, LineSplitter()).feed(event.data)
+                    for line in lines:
+                        self._on_event(event.key, line, sink, plane)
+
         try:
             while len(ends) < len(keys):
-                for event in handle.events(0.05):
-                    if isinstance(event, OutputChunk):
-                        self._on_output(event, router, sink, plane)
-                    elif isinstance(event, ProcessExit):
-                        ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time())
-                        if event.returncode != 0 and not stopping:
-                            stopping = True
-                            handle.stop(STOP_GRACE)
+                deliver(handle.events(0.05))
                 router.tick()
                 if timeout is not None and not stopping and time.monotonic() - started > timeout:
                     stopping = True
                     if plane is not None:
                         plane.note_timeout()  # who waited for which loader, before the stop
                     handle.stop(STOP_GRACE)
-                    for event in handle.drain():
-                        if isinstance(event, OutputChunk):
-                            self._on_output(event, router, sink, plane)
+                    deliver(handle.drain())
                     router.close()
                     raise JobFailed(f"the job ran past --timeout {timeout:g}s; all its processes were stopped")
-            for event in handle.drain():
-                if isinstance(event, OutputChunk):
-                    self._on_output(event, router, sink, plane)
+            deliver(handle.drain())
         except KeyboardInterrupt:
             handle.stop(STOP_GRACE)
             router.close()
@@ -231,20 +238,12 @@ class Session:
         router.close()
         return ends
 
-    def _on_output(self, chunk: OutputChunk, router: OutputRouter, sink, plane) -> None:
-        if chunk.stream != "events":
-            router.feed(chunk.key, chunk.stream, chunk.data)
+    def _on_event(self, key: str, line: str, sink, plane) -> None:
+        """One JSON line from a process's events pipe (see taas.worker.events)."""
+        try:
+            message = json.loads(line)
+        except ValueError:
             return
-        for line in chunk.data.decode("utf-8", "replace").splitlines():
-            if not line.strip():
-                continue
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            self._on_event(chunk.key, message, sink, plane)
-
-    def _on_event(self, key: str, message: dict, sink, plane) -> None:
         if message.get("kind") == "display" and hasattr(sink, "display"):
             sink.display(message.get("data", {}), message.get("metadata", {}))
         elif str(message.get("kind")).startswith("data.") and plane is not None:

@@ -410,3 +410,11 @@ def test_restarted_kernel_leaves_no_worker(workdir):
         assert again.error is None and "[rank1] after restart" in again.stdout
     finally:
         k.shutdown()
+
+
+def test_large_display_data_arrives_whole(kernel, clean):
+    # 300 kB of HTML: larger than a pipe's buffer, so it reaches the kernel in several reads.
+    run = kernel.run("%%taas --gpus 2\nfrom IPython.display import HTML\ndisplay(HTML('<b>' + 'x' * 300000 + '</b>'))")
+    assert run.error is None, run.traceback
+    html = [d["text/html"] for kind, d in run.displays if "text/html" in d]
+    assert html == ["<b>" + "x" * 300000 + "</b>"]
