@@ -127,3 +127,24 @@ def test_kernel_death_takes_the_start_process_and_jobs_down(tmp_path):
     launcher._sock.close()
     assert_gone(pids)
     launcher._proc.wait()
+
+
+def test_kernel_death_during_a_stop_still_cleans_up(tmp_path):
+    """The kernel asks for a stop and dies before the answer: the start process must still
+    kill the job and remove its directory (its answer cannot be sent any more)."""
+    launcher = LocalLauncher()
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    spec = LaunchSpec("dying", str(job_dir), str(tmp_path),
+                      (ProcessSpec("rank0", "tests.launch_targets:ignore_sigterm"),))
+    job = launcher.start(spec)
+    deadline = time.monotonic() + 30
+    while b"ready" not in b"".join(e.data for e in job.events(0.1) if isinstance(e, OutputChunk)):
+        assert time.monotonic() < deadline
+    pids = list(job.pids.values()) + [launcher.starter_pid]
+    launcher._conn.send(("stop", "dying", 5.0))
+    launcher._conn.close()
+    launcher._sock.close()
+    assert_gone(pids)
+    launcher._proc.wait()
+    assert not job_dir.exists()

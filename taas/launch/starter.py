@@ -128,6 +128,14 @@ class Starter:
         for job_id in list(self.jobs):
             _unlink_shared_memory(job_id)
 
+    def _tell(self, message: tuple) -> None:
+        """Send to the kernel; if it is gone, the next recv sees EOF and shuts us down (a
+        failed send must not skip the cleanup that shutdown() itself is doing)."""
+        try:
+            self.conn.send(message)
+        except OSError:
+            pass
+
     # -- messages --------------------------------------------------------------------------
     def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list) -> None:
         _, fds, _, _ = socket.recv_fds(self.sock, 1, 3 * len(specs))
@@ -150,12 +158,12 @@ class Starter:
                 pids[spec.key] = pid
         except OSError as exc:
             self._signal_job(job, signal.SIGKILL)
-            self.conn.send(("error", job_id, f"could not start the job's processes: {exc}"))
+            self._tell(("error", job_id, f"could not start the job's processes: {exc}"))
             return
         finally:
             for fd in fds:
                 os.close(fd)
-        self.conn.send(("spawned", job_id, pids))
+        self._tell(("spawned", job_id, pids))
 
     # -- children forked ahead -------------------------------------------------------------
     def _private(self) -> tuple[int, ...]:
@@ -192,7 +200,7 @@ class Starter:
     def _on_stop(self, job_id: str, grace: float) -> None:
         job = self.jobs.get(job_id)
         if job is None:
-            self.conn.send(("stopped", job_id))
+            self._tell(("stopped", job_id))
             return
         job.stop_asked = True
         self._signal_job(job, signal.SIGTERM)
@@ -218,7 +226,7 @@ class Starter:
                 # Whatever this process started dies with it (its process group).
                 _killpg(pid, signal.SIGKILL)
                 if report:
-                    self.conn.send(("exit", job.job_id, key, pid, os.waitstatus_to_exitcode(status)))
+                    self._tell(("exit", job.job_id, key, pid, os.waitstatus_to_exitcode(status)))
                 self._maybe_finish(job)
 
     def _maybe_finish(self, job: _Job) -> None:
@@ -227,7 +235,7 @@ class Starter:
         self._kill_orphans()
         _unlink_shared_memory(job.job_id)  # the data plane's segments (the kernel does it too)
         if job.stop_asked:
-            self.conn.send(("stopped", job.job_id))
+            self._tell(("stopped", job.job_id))
         del self.jobs[job.job_id]
 
     def _enforce_deadlines(self) -> None:
