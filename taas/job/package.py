@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import io
 import pickle
+import re
 import types
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from taas.errors import PackagingError
 
 # IPython's own names never travel: they mean nothing outside the kernel.
 _KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___"}
+# IPython's history variables: _i, _ii, _iii, _i7 (inputs) and _7 (outputs).
+_HISTORY = re.compile(r"_(i{1,3}|i?\d+)$")
 
 
 @dataclass
@@ -46,7 +49,7 @@ def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | fr
     """The notebook values the cell reads: free names present in the namespace."""
     out = {}
     for name in sorted(free):
-        if name in _KERNEL_NAMES or name in hidden or name.startswith("_i"):
+        if name in _KERNEL_NAMES or name in hidden or _HISTORY.match(name):
             continue
         if name in user_ns:
             out[name] = user_ns[name]
