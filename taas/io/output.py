@@ -67,6 +67,7 @@ class OutputRouter:
         self.tag = tag
         self.progress_interval = progress_interval
         self._splitters: dict[tuple[str, str], LineSplitter] = {}
+        self._keep = keep
         self._held: dict[str, deque] = {k: deque(maxlen=keep) for k in keys}
         self._progress: dict[tuple[str, str], list] = {}  # (key, stream) -> [text, shown_at, dirty]
 
@@ -90,7 +91,7 @@ class OutputRouter:
             return
         prefix = self._prefix(key)
         if not self.visible(key):
-            self._held.setdefault(key, deque(maxlen=200)).extend((stream, line) for line in lines)
+            self._held.setdefault(key, deque(maxlen=self._keep)).extend((stream, line) for line in lines)
             return
         state = self._progress.pop((key, stream), None)
         if state is not None:  # the progress line is finished: it stays where it was shown
