@@ -6,7 +6,9 @@ all_reduce, then a small DDP training loop whose per-step time rank 0 reports.
     python benchmarks/launch.py [--ranks 4] [--repeat 3] [--steps 50]
 
 Printed: median wall time of each way to start the job, and the ratios the project tracks
-(taas cold / torchrun, taas warm / torchrun, per-step time taas / torchrun).  "cold" is a new
+(taas cold / torchrun, taas warm / torchrun, per-step time taas / torchrun).  Then, in one
+session, warm jobs side by side: plain, and reading a --big-mib notebook tensor (the time it
+adds, and the job's peak memory with and without it; see _MemorySampler for how).  "cold" is a new
 session whose start process is launched at the moment the cell runs (the worst case: in a
 notebook ``%load_ext taas`` starts it in the background beforehand); "warm" is the next cell,
 run THINK_TIME seconds later (untimed), as a person would: the start process uses that pause to
@@ -91,14 +93,116 @@ class _Collect:
         pass
 
 
-def run_taas(session, source: str, ranks: int, device: str) -> tuple[float, float]:
+def run_taas(session, source: str, ranks: int, device: str, namespace: dict | None = None) -> tuple[float, float]:
     from taas.directive import parse_options
 
     sink = _Collect()
     started = time.perf_counter()
-    session.run_cell(source, {}, parse_options(f"--gpus {ranks} --device {device} --no-results"), sink=sink)
+    session.run_cell(source, dict(namespace or {}), parse_options(f"--gpus {ranks} --device {device} --no-results"),
+                     sink=sink)
     wall = time.perf_counter() - started
     return wall, _step_ms(sink.text)
+
+
+# -- a big notebook value read by the job ------------------------------------------------------
+# The cell reads a sample of the notebook's tensor (the time goal: what shipping it costs), or
+# sums all of it on every rank (the memory goal: every rank touches every page).
+BIG_SAMPLE = "checksum = float(big[:: 1 << 16].sum())\n"
+BIG_ALL = "checksum = float(big.sum())\n"
+
+
+class _MemorySampler:
+    """Peak memory of the job, sampled every 20 ms in a thread: the sum over this process (the
+    'kernel') and all its descendants (start process, ranks, children forked ahead) of
+    Pss_Anon from /proc/PID/smaps_rollup -- private and copy-on-write pages, shared ones split
+    between their sharers -- plus the blocks of the job's /dev/shm value files, counted once
+    however many ranks map them."""
+
+    def __init__(self):
+        import psutil
+
+        self._me = psutil.Process()
+        self._shm_before = set(os.listdir("/dev/shm"))
+        self.peak = 0
+        self._stop = False
+
+    def sample(self) -> int:
+        total = 0
+        for proc in [self._me] + self._me.children(recursive=True):
+            try:
+                with open(f"/proc/{proc.pid}/smaps_rollup") as f:
+                    for line in f:
+                        if line.startswith("Pss_Anon:"):
+                            total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        for name in set(os.listdir("/dev/shm")) - self._shm_before:
+            if name.startswith("taas-") and "-value" in name:
+                try:
+                    total += os.stat(f"/dev/shm/{name}").st_blocks * 512
+                except OSError:
+                    pass
+        return total
+
+    def __enter__(self):
+        import threading
+
+        def loop():
+            while not self._stop:
+                self.peak = max(self.peak, self.sample())
+                time.sleep(0.02)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+
+
+def run_big(source: str, ranks: int, device: str, repeat: int, mib: int) -> None:
+    """Warm jobs side by side in one session: plain, and reading a ``mib`` MiB notebook tensor."""
+    import torch
+
+    from taas.session import Session
+
+    big = {"big": torch.randn(mib << 18)}  # float32: mib MiB
+    session = Session()
+    plain, sample, whole = [], [], []
+    try:
+        # Untimed: the cold start, and a first big job (a fresh VM backs memory it never
+        # touched slowly, once; that is the machine's cost, not the job's).
+        run_taas(session, BIG_SAMPLE + source, ranks, device, big)
+        for _ in range(repeat):
+            for rows, cell, namespace in ((plain, source, None), (sample, BIG_SAMPLE + source, big),
+                                          (whole, BIG_ALL + source, big)):
+                time.sleep(THINK_TIME)
+                rows.append(run_taas(session, cell, ranks, device, namespace)[0])
+        peaks = []
+        for cell, namespace in ((source, None), (BIG_ALL + source, big)):
+            time.sleep(THINK_TIME)
+            with _MemorySampler() as sampler:
+                run_taas(session, cell, ranks, device, namespace)
+            peaks.append(sampler.peak)
+    finally:
+        session.close()
+    fresh = []  # the floor: this machine's cost of touching as much new memory, once
+    for _ in range(repeat):
+        time.sleep(THINK_TIME)
+        started = time.perf_counter()
+        page = torch.ones(mib << 18)
+        fresh.append(time.perf_counter() - started)
+        del page
+    med = statistics.median
+    gib = 1 << 30
+    print(f"  big    warm {med(plain):7.3f} s | + {mib} MiB tensor, sampled {med(sample):7.3f} s "
+          f"| summed by every rank {med(whole):7.3f} s")
+    print(f"  added  by the {mib} MiB tensor = {med(sample) - med(plain):+.3f} s   (goal <= 0.5; "
+          f"for scale: filling {mib} MiB of new memory here takes {med(fresh):.3f} s)")
+    print(f"  memory peak, every rank summing it: {peaks[1] / gib:.2f} GiB vs {peaks[0] / gib:.2f} GiB plain "
+          f"(this process with the tensor, start process, ranks; Pss_Anon + /dev/shm value files)")
+    print(f"  memory extra for the job = {(peaks[1] - peaks[0]) / gib:.2f} GiB   (goal <= 1)")
 
 
 def _step_ms(text: str) -> float:
@@ -114,6 +218,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--big-mib", type=int, default=1024,
+                        help="size of the notebook tensor of the big-value case (0: skip it)")
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
     source = body(backend, args.steps)
@@ -145,6 +251,8 @@ def main() -> None:
     print(f"  ratio  warm/torchrun = {med(warm, 0) / med(torchrun, 0):.3f}   (goal <= 0.05)")
     step_ratio = statistics.median([w[1] for w in warm]) / med(torchrun, 1)
     print(f"  ratio  step taas/torchrun = {step_ratio:.3f}   (goal <= 1.03)")
+    if args.big_mib:
+        run_big(source, args.ranks, args.device, args.repeat, args.big_mib)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from taas.errors import CellSyntaxError, JobFailed
 from taas.io import failure
 from taas.io.output import LineSplitter, OutputRouter, Sink, TerminalSink
 from taas.job import analysis, package
+from taas.job.bigvalues import BigValues
 from taas.launch.api import LaunchSpec, ProcessExit, ProcessSpec
 from taas.launch.local import LocalLauncher
 from taas.worker import report
@@ -93,11 +94,12 @@ class Session:
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
         plane = self._data_plane(values, options, world, device)
-        blob = package.ship(values, plane.stand_ins() if plane is not None else None)
-        if note:
-            sink.write("stderr", note + "\n")
-
         job_id = uuid.uuid4().hex[:12]
+        big = BigValues(job_id)  # large arrays travel once, through shared memory
+        blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
+        for line in ([note] if note else []) + big.notes:
+            sink.write("stderr", line + "\n")
+
         job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
         stats = self.last = JobStats(job_id, world, device, backend,
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],
@@ -142,6 +144,7 @@ class Session:
             stats.outcome = "interrupted"
             raise
         finally:
+            big.unlink()  # a rank still running keeps its mapping
             if handle is not None:
                 handle.close()
             if plane is not None:

@@ -6,7 +6,8 @@ cloudpickle: notebook-defined functions and classes go by value with the globals
 A value that cannot be pickled fails the cell here, before launch, naming the variable, its
 type and -- when it hides behind a function -- the path to it (``train -> sock``).
 
-Unreferenced notebook values are never touched.
+Unreferenced notebook values are never touched.  Big tensors and arrays do not go into the
+pickle bytes: :mod:`taas.job.bigvalues` writes them once to shared memory for the ranks to map.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import cloudpickle
 
 from taas.errors import PackagingError
+from taas.job.bigvalues import BigValues
 
 # IPython's own names never travel: they mean nothing outside the kernel.
 _KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___"}
@@ -56,11 +58,29 @@ def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | fr
     return out
 
 
-class _StandInPickler(cloudpickle.Pickler):
-    """cloudpickle that writes a name instead of each object in ``stand_ins`` (id -> name)."""
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle whose big arrays go through shared memory (see :mod:`taas.job.bigvalues`).
 
-    def __init__(self, file, stand_ins: dict[int, str]):
+    reducer_override, not persistent_id: pickle calls it only for objects that are not ints,
+    strings or builtin containers, so values made of many small objects pay nothing for it."""
+
+    def __init__(self, file, big: BigValues | None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._big = big
+
+    def reducer_override(self, obj):
+        if self._big is not None:
+            reduced = self._big.reduce(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        return super().reducer_override(obj)
+
+
+class _StandInPickler(_Pickler):
+    """... that also writes a name instead of each object in ``stand_ins`` (id -> name)."""
+
+    def __init__(self, file, stand_ins: dict[int, str], big: BigValues | None):
+        super().__init__(file, big)
         self._stand_ins = stand_ins
 
     def persistent_id(self, obj):
@@ -99,20 +119,31 @@ class _StandInUnpickler(pickle.Unpickler):
         return StandIn(pid)
 
 
-def ship(values: dict, stand_ins: dict[int, str] | None = None) -> bytes:
+def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues | None = None) -> bytes:
     """cloudpickle ``values`` as one blob (so shipped functions share one globals dict).
 
     ``stand_ins`` (id(obj) -> name) are objects that must not travel even when a shipped
     function reads them -- registered loaders, which loader workers get instead: each is
-    written as its name and arrives as a :class:`StandIn`.
+    written as its name and arrives as a :class:`StandIn`.  With ``big``, large arrays and
+    tensors are written to its shared-memory files instead of into the blob; the caller
+    unlinks them after the job (here when shipping fails).
     """
     try:
-        if not stand_ins:
+        if not stand_ins and big is None:
             return cloudpickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         buffer = io.BytesIO()
-        _StandInPickler(buffer, stand_ins).dump(values)
+        if stand_ins:
+            _StandInPickler(buffer, stand_ins, big).dump(values)
+        else:
+            _Pickler(buffer, big).dump(values)
+        if big is not None:
+            big.publish()
         return buffer.getvalue()
-    except Exception as exc:  # find the culprit to name it
+    except BaseException as exc:  # find the culprit to name it
+        if big is not None:
+            big.unlink()
+        if not isinstance(exc, Exception):
+            raise
         for name, value in values.items():
             path = _unshippable(name, value, seen=set())
             if path is not None:

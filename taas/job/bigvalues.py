@@ -1,0 +1,276 @@
+"""Big arrays among the shipped values: written once to shared memory, mapped copy-on-write.
+
+Pickled the ordinary way, a CPU tensor's storage becomes ``torch.save`` bytes inside the
+payload, and every rank reads and decodes its own copy (a 1 GiB tensor costs tens of seconds
+and a GiB per rank).  Instead, while :func:`taas.job.package.ship` pickles the cell's values,
+each CPU tensor storage and each plain, contiguous numpy array of at least :data:`THRESHOLD`
+bytes is written once, by ``write``, to its own file ``<dir>/taas-<job>-value<i>``
+(``/dev/shm`` in a job; mode 0400) and the pickle holds only (file, size, dtype, shape).  The
+files are written unnamed (``O_TMPFILE``) and named by :meth:`BigValues.publish` when pickling
+is done, so a kernel killed meanwhile leaves nothing.  A
+rank maps the file ``MAP_PRIVATE``: pages are read from the one shared copy on first touch, and
+a write gives the writing rank its own copy of the page it touched -- never another rank's
+values, the file, or the notebook's object (the file is a copy of it).
+
+Tensors are handled at the *storage*: torch's own tensor reductions (views, strides, storage
+offsets, ``nn.Parameter``, sparse/quantized/nested layouts, ``requires_grad``) still apply,
+only the bytes travel differently.  A storage is written once however many tensors view it,
+and pickle's memo makes them views of one storage again in the rank.  Left on the ordinary
+path: non-CPU storages, numpy subclasses (``np.memmap``, masked arrays), object and
+non-contiguous arrays.  When the directory lacks room (statvfs, or a failed write) a value
+travels the ordinary way and :attr:`BigValues.notes` says so in one line.
+
+The files are named like the data plane's segments, so the kernel's cleanup after the job
+(:meth:`BigValues.unlink`, and ``segment.unlink_job``) and the start process's cleanup when the
+kernel dies remove them too.
+
+No torch or numpy import at module level: the kernel side only looks at types of modules the
+notebook already imported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+
+THRESHOLD = 1 << 20  # bytes: smaller arrays stay inline in the pickle
+SHM_DIR = "/dev/shm"
+ROOM_MARGIN = 64 << 20  # bytes left free in SHM_DIR after writing a value
+_CHUNK = 1 << 28  # one write() call at most (Linux caps a write near 2 GiB)
+
+
+class BigValues:
+    """The kernel side for one job: writes big arrays to files, remembers them, removes them."""
+
+    def __init__(self, job_id: str, directory: str = SHM_DIR, threshold: int = THRESHOLD):
+        self.job_id, self.directory, self.threshold = job_id, directory, threshold
+        self.paths: list[str] = []  # named files
+        self._unnamed: list[tuple[int, str]] = []  # (fd, name it gets) until publish()
+        self.written = 0  # bytes
+        self._left_out = 0  # bytes that did not fit and travelled the ordinary way
+        self._free: int | None = None
+        self._storages: dict[int, tuple] = {}  # StorageImpl address -> (storage, path or None)
+        self._types = _candidate_types()
+
+    @property
+    def notes(self) -> list[str]:
+        if not self._left_out:
+            return []
+        return [f"taas: note: {self.directory} had too little free space for "
+                f"{_mib(self._left_out)} of the cell's large arrays, so they were pickled to each "
+                f"rank instead (slower, one copy per rank); free or enlarge {self.directory} to "
+                "send them once"]
+
+    # -- pickling (called by package's pickler for every object it is about to reduce) -------
+    def reduce(self, obj):
+        """A reduce tuple that maps ``obj`` from shared memory in the rank, or NotImplemented."""
+        kind = self._types.get(type(obj))
+        if kind is None:
+            return NotImplemented
+        if kind == "array":
+            return self._reduce_array(obj)
+        if kind == "typed":  # what a tensor's reduction pickles: dtype + untyped storage
+            untyped = obj._untyped_storage
+            if untyped.device.type != "cpu" or untyped.nbytes() < self.threshold:
+                return NotImplemented
+            untyped = self._storage(untyped)
+            if untyped is None:
+                return NotImplemented
+            return _typed_storage, (untyped, obj.dtype)
+        # an untyped storage: the user's own, or the canonical one of a typed storage above
+        if obj.device.type != "cpu" or obj.nbytes() < self.threshold:
+            return NotImplemented
+        canonical = self._storage(obj)
+        if canonical is None:
+            return NotImplemented
+        if canonical is not obj:  # another Python object for the same storage
+            return _same, (canonical,)
+        return _map_storage, (self._storages[obj._cdata][1], obj.nbytes())
+
+    def _storage(self, untyped):
+        """The one object standing for this storage in the pickle (so pickle's memo makes every
+        view of it share one storage in the rank), written to a file; None if it did not fit."""
+        entry = self._storages.get(untyped._cdata)
+        if entry is None:
+            nbytes = untyped.nbytes()
+            data = (ctypes.c_char * nbytes).from_address(untyped.data_ptr())
+            entry = self._storages[untyped._cdata] = (untyped, self._write(memoryview(data)))
+        return entry[0] if entry[1] is not None else None
+
+    def _reduce_array(self, array):
+        if array.nbytes < self.threshold or array.dtype.hasobject:
+            return NotImplemented
+        if array.flags.c_contiguous:
+            order = "C"
+        elif array.flags.f_contiguous:
+            order = "F"
+        else:
+            return NotImplemented
+        import numpy as np
+
+        path = self._write(memoryview(array.ravel(order="K").view(np.uint8)))
+        if path is None:
+            return NotImplemented
+        return _map_array, (path, array.dtype, array.shape, order, bool(array.flags.writeable))
+
+    def _write(self, data: memoryview) -> str | None:
+        nbytes = data.nbytes
+        if self._free is None:
+            try:
+                st = os.statvfs(self.directory)
+                self._free = st.f_bavail * st.f_frsize
+            except OSError:
+                self._free = 0
+        if nbytes + ROOM_MARGIN > self._free:
+            self._left_out += nbytes
+            return None
+        path = os.path.join(self.directory, f"taas-{self.job_id}-value{len(self.paths) + len(self._unnamed)}")
+        fd, named = _create(self.directory, path)
+        try:
+            done = 0
+            while done < nbytes:
+                done += os.write(fd, data[done:done + _CHUNK])
+            os.fchmod(fd, 0o400)  # nobody opens it for writing again
+        except OSError:  # ENOSPC: a race with another writer; this value goes the ordinary way
+            os.close(fd)
+            if named:
+                _remove(path)
+            self._left_out += nbytes
+            self._free = 0
+            return None
+        if named:
+            os.close(fd)
+            self.paths.append(path)
+        else:
+            self._unnamed.append((fd, path))
+        self._free -= nbytes
+        self.written += nbytes
+        return path
+
+    def publish(self) -> None:
+        """Give the files their names (the payload refers to them), once pickling is done: a
+        kernel killed while writing them leaves nothing behind, as unnamed files vanish."""
+        while self._unnamed:
+            fd, path = self._unnamed.pop(0)
+            try:
+                _link(fd, path)
+                self.paths.append(path)
+            finally:
+                os.close(fd)
+
+    def unlink(self) -> None:
+        """Remove the files (after the job, or when shipping failed).  Ranks that still map
+        one keep their mapping; the memory is freed when the last one unmaps."""
+        for fd, _ in self._unnamed:
+            os.close(fd)
+        self._unnamed.clear()
+        for path in self.paths:
+            _remove(path)
+        self.paths.clear()
+        self._storages.clear()
+
+
+def _candidate_types() -> dict[type, str]:
+    """The types worth a look, from the modules the notebook has imported (none imported,
+    nothing to look at)."""
+    types: dict[type, str] = {}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        types[np.ndarray] = "array"
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "UntypedStorage"):
+        types[torch.storage.TypedStorage] = "typed"
+        types[torch.UntypedStorage] = "untyped"
+    return types
+
+
+# -- in the rank: called by the unpickler ------------------------------------------------------
+def _map_storage(path: str, nbytes: int):
+    """A storage over a private (copy-on-write) mapping of ``path``; pages load on first touch."""
+    import torch
+
+    return torch.UntypedStorage.from_file(path, shared=False, nbytes=nbytes)
+
+
+def _typed_storage(untyped, dtype):
+    import torch
+
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def _map_array(path: str, dtype, shape: tuple, order: str, writeable: bool):
+    import mmap
+
+    import numpy as np
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    array = np.frombuffer(mapped, dtype=dtype).reshape(shape, order=order)
+    if not writeable:
+        array.flags.writeable = False
+    return array
+
+
+def _same(value):
+    return value
+
+
+_UNNAMED_OK: dict[str, bool] = {}  # directory -> unnamed files can be named there later
+
+
+def _create(directory: str, path: str) -> tuple[int, bool]:
+    """An unnamed file in ``directory`` (O_TMPFILE), or where one cannot be named later (the
+    file system, or the process's rights), the file ``path`` itself: (fd, named)."""
+    if _UNNAMED_OK.get(directory) is None:
+        _UNNAMED_OK[directory] = _probe_unnamed(directory)
+    if _UNNAMED_OK[directory]:
+        return _open_unnamed(directory), False
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), True
+
+
+def _open_unnamed(directory: str) -> int:
+    return os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+
+
+def _probe_unnamed(directory: str) -> bool:
+    probe = os.path.join(directory, f"taas-probe-{os.getpid()}")
+    try:
+        fd = _open_unnamed(directory)
+    except (OSError, AttributeError):
+        return False
+    try:
+        _link(fd, probe)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    _remove(probe)
+    return True
+
+
+def _link(fd: int, path: str) -> None:
+    """Name the unnamed file ``fd``: linkat(AT_EMPTY_PATH), else through /proc/self/fd."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) == 0:
+        return
+    os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
+
+
+_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.0f} MiB"
