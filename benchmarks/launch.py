@@ -169,16 +169,30 @@ def run_big(source: str, ranks: int, device: str, repeat: int, mib: int) -> None
 
     big = {"big": torch.randn(mib << 18)}  # float32: mib MiB
     session = Session()
-    plain, sample, whole = [], [], []
+    plain, sample, whole, fresh = [], [], [], []
+
+    def fill():  # the floor: touching as much new memory in this process, nothing shared
+        started = time.perf_counter()
+        torch.ones(mib << 18)
+        return started
+
     try:
-        # Untimed: the cold start, and a first big job (a fresh VM backs memory it never
-        # touched slowly, once; that is the machine's cost, not the job's).
-        run_taas(session, BIG_SAMPLE + source, ranks, device, big)
+        run_taas(session, BIG_SAMPLE + source, ranks, device, big)  # cold: untimed
+        # Each row THINK_TIME after the one before.  'fresh' follows an untimed plain job, as
+        # 'sample' does: memory freed seconds ago can be slower to touch again than memory
+        # freed just now (a VM may have handed it back to its host).
+        rows = ((plain, source, None), (sample, BIG_SAMPLE + source, big), (whole, BIG_ALL + source, big),
+                (None, source, None), (fresh, fill, None))
         for _ in range(repeat):
-            for rows, cell, namespace in ((plain, source, None), (sample, BIG_SAMPLE + source, big),
-                                          (whole, BIG_ALL + source, big)):
+            for out, cell, namespace in rows:
                 time.sleep(THINK_TIME)
-                rows.append(run_taas(session, cell, ranks, device, namespace)[0])
+                if callable(cell):
+                    started = cell()
+                    out.append(time.perf_counter() - started)
+                    continue
+                wall = run_taas(session, cell, ranks, device, namespace)[0]
+                if out is not None:
+                    out.append(wall)
         peaks = []
         for cell, namespace in ((source, None), (BIG_ALL + source, big)):
             time.sleep(THINK_TIME)
@@ -187,19 +201,12 @@ def run_big(source: str, ranks: int, device: str, repeat: int, mib: int) -> None
             peaks.append(sampler.peak)
     finally:
         session.close()
-    fresh = []  # the floor: this machine's cost of touching as much new memory, once
-    for _ in range(repeat):
-        time.sleep(THINK_TIME)
-        started = time.perf_counter()
-        page = torch.ones(mib << 18)
-        fresh.append(time.perf_counter() - started)
-        del page
     med = statistics.median
     gib = 1 << 30
     print(f"  big    warm {med(plain):7.3f} s | + {mib} MiB tensor, sampled {med(sample):7.3f} s "
           f"| summed by every rank {med(whole):7.3f} s")
     print(f"  added  by the {mib} MiB tensor = {med(sample) - med(plain):+.3f} s   (goal <= 0.5; "
-          f"for scale: filling {mib} MiB of new memory here takes {med(fresh):.3f} s)")
+          f"for scale: filling {mib} MiB of new memory here, same pauses, takes {med(fresh):.3f} s)")
     print(f"  memory peak, every rank summing it: {peaks[1] / gib:.2f} GiB vs {peaks[0] / gib:.2f} GiB plain "
           f"(this process with the tensor, start process, ranks; Pss_Anon + /dev/shm value files)")
     print(f"  memory extra for the job = {(peaks[1] - peaks[0]) / gib:.2f} GiB   (goal <= 1)")

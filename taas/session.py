@@ -144,7 +144,7 @@ class Session:
             stats.outcome = "interrupted"
             raise
         finally:
-            big.unlink()  # a rank still running keeps its mapping
+            big.unlink(wait=False)  # a rank still running keeps its mapping
             if handle is not None:
                 handle.close()
             if plane is not None:

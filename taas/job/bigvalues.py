@@ -4,7 +4,7 @@ Pickled the ordinary way, a CPU tensor's storage becomes ``torch.save`` bytes in
 payload, and every rank reads and decodes its own copy (a 1 GiB tensor costs tens of seconds
 and a GiB per rank).  Instead, while :func:`taas.job.package.ship` pickles the cell's values,
 each CPU tensor storage and each plain, contiguous numpy array of at least :data:`THRESHOLD`
-bytes is written once, by ``write``, to its own file ``<dir>/taas-<job>-value<i>``
+bytes is written once, by ``pwrite`` from a few threads, to its own file ``<dir>/taas-<job>-value<i>``
 (``/dev/shm`` in a job; mode 0400) and the pickle holds only (file, size, dtype, shape).  The
 files are written unnamed (``O_TMPFILE``) and named by :meth:`BigValues.publish` when pickling
 is done, so a kernel killed meanwhile leaves nothing.  A
@@ -34,11 +34,14 @@ import ctypes
 import math
 import os
 import sys
+import threading
 
 THRESHOLD = 1 << 20  # bytes: smaller arrays stay inline in the pickle
 SHM_DIR = "/dev/shm"
 ROOM_MARGIN = 64 << 20  # bytes left free in SHM_DIR after writing a value
 _CHUNK = 1 << 28  # one write() call at most (Linux caps a write near 2 GiB)
+WRITERS = 8  # threads writing one big value (no more than the CPUs)
+_PART = 32 << 20  # a thread writes at least this much
 
 
 class BigValues:
@@ -129,9 +132,7 @@ class BigValues:
         path = os.path.join(self.directory, f"taas-{self.job_id}-value{len(self.paths) + len(self._unnamed)}")
         fd, named = _create(self.directory, path)
         try:
-            done = 0
-            while done < nbytes:
-                done += os.write(fd, data[done:done + _CHUNK])
+            _write_parallel(fd, data)
             os.fchmod(fd, 0o400)  # nobody opens it for writing again
         except OSError:  # ENOSPC: a race with another writer; this value goes the ordinary way
             os.close(fd)
@@ -160,16 +161,23 @@ class BigValues:
             finally:
                 os.close(fd)
 
-    def unlink(self) -> None:
+    def unlink(self, wait: bool = True) -> None:
         """Remove the files (after the job, or when shipping failed).  Ranks that still map
-        one keep their mapping; the memory is freed when the last one unmaps."""
+        one keep their mapping; the memory is freed when the last one unmaps.
+
+        Freeing a GiB takes ~0.2 s: ``wait=False`` leaves that to a thread (the start process
+        also unlinks a job's files when its last process ended, so nothing depends on it)."""
         for fd, _ in self._unnamed:
             os.close(fd)
         self._unnamed.clear()
-        for path in self.paths:
-            _remove(path)
-        self.paths.clear()
+        paths, self.paths = self.paths, []
         self._storages.clear()
+        if wait or not paths:
+            for path in paths:
+                _remove(path)
+        else:
+            threading.Thread(target=lambda: [_remove(p) for p in paths], name="taas-unlink",
+                             daemon=True).start()
 
 
 def _candidate_types() -> dict[type, str]:
@@ -219,6 +227,33 @@ def _map_array(path: str, dtype, shape: tuple, order: str, writeable: bool):
 
 def _same(value):
     return value
+
+
+def _write_parallel(fd: int, data: memoryview) -> None:
+    """``data`` into ``fd``, in contiguous parts written by up to WRITERS threads at once:
+    getting new pages is most of the cost, and it parallelises (a 1 GiB write took 1.7-3.2 s
+    in one thread and 0.6-0.7 s in two, on a 2-core VM whose host reclaims freed memory)."""
+    nbytes = data.nbytes
+    parts = max(1, min(WRITERS, os.cpu_count() or 1, nbytes // _PART))
+    bounds = [nbytes * i // parts for i in range(parts + 1)]
+    errors: list[BaseException] = []
+
+    def write(start: int, end: int) -> None:
+        try:
+            while start < end:
+                start += os.pwrite(fd, data[start:min(end, start + _CHUNK)], start)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(bounds[i], bounds[i + 1]), daemon=True)
+               for i in range(1, parts)]
+    for thread in threads:
+        thread.start()
+    write(bounds[0], bounds[1])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 _UNNAMED_OK: dict[str, bool] = {}  # directory -> unnamed files can be named there later
