@@ -271,3 +271,14 @@ def test_named_files_where_unnamed_ones_cannot_be_named(big, monkeypatch):
     got = roundtrip({"a": torch.ones(N), "b": _LooksAtTheDirectory(big.directory)}, big)
     assert _LooksAtTheDirectory.seen == [["taas-testjob-value0"]]
     assert torch.equal(got["a"], torch.ones(N))
+
+
+def test_unlink_without_waiting_removes_the_files_in_a_thread(big):
+    import threading
+
+    package.ship({"a": torch.ones(N)}, big=big)
+    big.unlink(wait=False)
+    for thread in threading.enumerate():
+        if thread.name == "taas-unlink":
+            thread.join(timeout=30)
+    assert files(big) == [] and big.paths == []
