@@ -1,6 +1,6 @@
 """The rank runtime: what one rank does, from fork to exit.
 
-    load payload -> device + default process group -> start-up barrier -> patches
+    load payload -> device, patches -> default process group + start-up barrier
     -> data views -> exec the cell -> report "comm" -> (rank 0) results -> exit code
 
 Runs in a process forked by the start process, which already set up stdout/stderr, the
@@ -32,7 +32,6 @@ from taas.job import crossing
 from taas.job.analysis import compile_cell
 from taas.job.package import Payload, unship
 from taas.worker import comm, display, patches, report
-
 
 
 def main(spec) -> int:
