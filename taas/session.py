@@ -26,11 +26,11 @@ from taas import directive
 from taas.errors import CellSyntaxError, JobFailed
 from taas.io import failure
 from taas.io.output import LineSplitter, OutputRouter, Sink, TerminalSink
-from taas.job import analysis, package
+from taas.job import analysis, crossing, package
 from taas.job.bigvalues import BigValues
 from taas.launch.api import LaunchSpec, ProcessExit, ProcessSpec
 from taas.launch.local import LocalLauncher
-from taas.worker import report
+from taas.worker import comm, report
 
 STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when a job is stopped
 
@@ -55,6 +55,7 @@ class JobStats:
     loaders: list[str] = field(default_factory=list)
     config: str | None = None  # DataSphere '#!NAME' configuration line, if the cell had one
     data: list[str] = field(default_factory=list)  # the data plane's summary lines
+    comm_ops: dict = field(default_factory=dict)  # rank key -> operations on its groups (comm)
 
 
 def cuda_device_count() -> int:
@@ -129,6 +130,9 @@ class Session:
                 router.replay_hidden("--- recent output of {key} ---")
                 raise _job_failed(job_dir, list(ends.values()), name_for)
             stats.outcome = "ok"
+            alone = comm.note(world, stats.comm_ops)
+            if alone:
+                sink.write("stderr", alone + "\n")
             if plane is not None:
                 plane.finish(sink)
                 stats.data = plane.summary()
@@ -210,7 +214,8 @@ class Session:
             nonlocal stopping
             for event in events:
                 if isinstance(event, ProcessExit):
-                    ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time())
+                    ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time(),
+                                                         stopped=stopping)
                     if event.returncode != 0 and not stopping:
                         stopping = True
                         handle.stop(STOP_GRACE)
@@ -232,7 +237,9 @@ class Session:
                     handle.stop(STOP_GRACE)
                     deliver(handle.drain())
                     router.close()
-                    raise JobFailed(f"the job ran past --timeout {timeout:g}s; all its processes were stopped")
+                    left = failure.left_early(list(ends.values()))
+                    why = f" ({failure.left_line(left)})" if left is not None else ""
+                    raise JobFailed(f"the job ran past --timeout {timeout:g}s{why}; all its processes were stopped")
             deliver(handle.drain())
         except KeyboardInterrupt:
             handle.stop(STOP_GRACE)
@@ -249,6 +256,8 @@ class Session:
             return
         if message.get("kind") == "display" and hasattr(sink, "display"):
             sink.display(message.get("data", {}), message.get("metadata", {}))
+        elif message.get("kind") == "comm" and self.last is not None:
+            self.last.comm_ops[key] = message.get("ops")
         elif str(message.get("kind")).startswith("data.") and plane is not None:
             plane.on_event(key, message, sink)
 
@@ -261,20 +270,20 @@ class Session:
                 raw = pickle.load(f)
         except OSError:
             return result  # rank 0 ended early (sys.exit(0)): nothing to bring back
-        import cloudpickle
-
         for name, blob in raw["values"].items():
-            try:
-                result.values[name] = cloudpickle.loads(blob)
-            except Exception as exc:
-                result.notes.append(f"taas: `{name}` was not brought back: {type(exc).__name__}: {exc}")
+            value, why = crossing.load_result(blob)
+            if why is None:
+                result.values[name] = value
+            else:
+                result.notes.append(f"taas: `{name}` was not brought back: {why}")
         for name, why in raw["skipped"].items():
             result.notes.append(f"taas: `{name}` was not brought back: {why}")
         if raw["out"] is not None:
-            try:
-                result.out, result.has_out = cloudpickle.loads(raw["out"]), True
-            except Exception as exc:
-                result.notes.append(f"taas: the cell's result was not brought back: {exc}")
+            value, why = crossing.load_result(raw["out"])
+            if why is None:
+                result.out, result.has_out = value, True
+            else:
+                result.notes.append(f"taas: the cell's result was not brought back: {why}")
         elif raw.get("out_skipped"):
             result.notes.append(f"taas: the cell's result was not brought back: {raw['out_skipped']}")
         return result

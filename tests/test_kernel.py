@@ -355,17 +355,20 @@ def test_values_that_cannot_come_back_are_skipped_with_a_note(kernel, clean):
 
 
 def test_accelerate_runs_as_the_job_ranks(kernel, clean):
+    # Plain Accelerator(), as users write it: Accelerator(cpu=True) forces multi-CPU by itself
+    # and hid that a CPU job's ranks were each a single-process Accelerator.
     run = kernel.run(cell("""
         %%taas --gpus 2
         import os, torch
         from accelerate import Accelerator
-        acc = Accelerator(cpu=True)
+        acc = Accelerator()
         model, opt = acc.prepare(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
-        print("accelerate", acc.process_index, "of", acc.num_processes, "rank", os.environ["RANK"])
+        print("accelerate", acc.process_index, "of", acc.num_processes, "rank", os.environ["RANK"],
+              acc.distributed_type, type(model).__name__)
         """))
     assert run.error is None, run.traceback
-    assert "[rank0] accelerate 0 of 2 rank 0" in run.stdout
-    assert "[rank1] accelerate 1 of 2 rank 1" in run.stdout
+    assert "[rank0] accelerate 0 of 2 rank 0 DistributedType.MULTI_CPU DistributedDataParallel" in run.stdout, run.stdout
+    assert "[rank1] accelerate 1 of 2 rank 1 DistributedType.MULTI_CPU DistributedDataParallel" in run.stdout
 
 
 def test_syntax_error_points_at_the_cell_line_without_taas_frames(kernel):

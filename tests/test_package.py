@@ -14,7 +14,10 @@ from taas.job import package
     ("_internal", True),
     ("_i", False), ("_ii", False), ("_iii", False), ("_i12", False),  # input history
     ("_7", False), ("_", False), ("__", False),                      # output history
-    ("In", False), ("Out", False), ("get_ipython", False),
+    ("In", False), ("Out", False),
+    # IPython's exit/quit/get_ipython are hidden names in a kernel; where one is read it
+    # crosses as its plain-Python meaning (taas.job.crossing), so the name itself may travel.
+    ("get_ipython", True), ("exit", True),
 ])
 def test_select_skips_only_ipython_names(name, travels):
     assert (name in package.select({name}, {name: 1})) is travels
@@ -34,3 +37,13 @@ def test_ship_names_the_unshippable_value_behind_a_function():
             package.ship({"send": namespace["send"]})
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("chain, advice", [
+    (["sock"], "Create it inside the taas cell instead."),
+    (["train", "sock"], "`train` reads the notebook global `sock`, which travels with it: create `sock` "
+                        "inside `train`, or in the taas cell and pass it to `train` as an argument."),
+    (["main", "helper", "lock"], "`helper` reads the notebook global `lock`"),
+])
+def test_unshippable_advice_fits_where_the_value_is(chain, advice):
+    assert package._advice(chain).startswith(advice)

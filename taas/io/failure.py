@@ -2,7 +2,11 @@
 
 Like torch elastic's ``ChildFailedError.get_first_failure()``, the root cause is the earliest
 failure: the earliest error report a process wrote, else the first exit the supervisor saw.
-Every other process gets one line ("rank0: stopped after rank1 failed").
+A peer's lost connection is a consequence, and so is a process the supervisor stopped.  When
+every failure is a lost connection, the cause is a process that *left*: it ended by itself
+with code 0 (``sys.exit(0)``, ``os._exit(0)``, the end of the cell) while the others were
+still running -- in a collective it never joined.  Every other process gets one line
+("rank0: stopped after rank1 failed").
 
 Rendering is pure: frames come from the report files (:mod:`taas.worker.report`), source lines
 from the kernel's linecache when the rank did not have them (functions defined in other
@@ -25,12 +29,21 @@ class ProcessEnd:
     key: str
     returncode: int | None  # None: still running when the job was stopped
     seen_at: float  # when the supervisor saw it end
-    record: dict | None = None  # its error report, if it wrote one
+    record: dict | None = None  # its report (an error, or how it exited), if it wrote one
     fault: str = ""  # faulthandler's dump, if it died by a signal
+    stopped: bool = False  # it ended after the supervisor began stopping the job
 
     @property
     def failed(self) -> bool:
-        return self.record is not None or (self.returncode not in (0, None))
+        if self.record is not None and self.record.get("exit_code", 1) != 0:
+            return True
+        return self.returncode not in (0, None)
+
+    @property
+    def left(self) -> bool:
+        """A rank that ended by itself with code 0 (finished, or sys.exit(0) / os._exit(0)).
+        (A loader worker that is done exits 0 before the ranks: that is no cause.)"""
+        return self.key.startswith("rank") and self.returncode == 0 and not self.failed
 
     @property
     def failed_at(self) -> float:
@@ -53,11 +66,39 @@ def is_consequence(end: ProcessEnd) -> bool:
     return bool(chain) and bool(_PEER_LOST.search(chain[-1]["text"]))
 
 
+def _was_stopped(end: ProcessEnd) -> bool:
+    """Killed by the supervisor's stop, with nothing of its own to say."""
+    return end.stopped and end.record is None
+
+
 def root_cause(ends: list[ProcessEnd]) -> ProcessEnd | None:
-    """The earliest failure, preferring real causes over peers' lost-connection errors."""
+    """The earliest failure, preferring real causes over peers' lost-connection errors and
+    processes the supervisor stopped; when only lost connections remain, the process that
+    left first."""
     failed = [e for e in ends if e.failed]
-    causes = [e for e in failed if not is_consequence(e)] or failed
-    return min(causes, key=lambda e: e.failed_at) if causes else None
+    if not failed:
+        return None
+    real = [e for e in failed if not is_consequence(e) and not _was_stopped(e)]
+    if real:
+        return min(real, key=lambda e: e.failed_at)
+    left = [e for e in ends if e.left]
+    if left:
+        return min(left, key=lambda e: e.failed_at)
+    causes = [e for e in failed if not _was_stopped(e)] or failed
+    return min(causes, key=lambda e: e.failed_at)
+
+
+def left_early(ends: list[ProcessEnd]) -> ProcessEnd | None:
+    """The first process that left (code 0) while others were still running, if one did."""
+    running = [e for e in ends if not e.left and e.key.startswith("rank")]
+    left = [e for e in ends if e.left and any(e.failed_at < r.failed_at for r in running)]
+    return min(left, key=lambda e: e.failed_at) if left else None
+
+
+def left_line(end: ProcessEnd) -> str:
+    """One line for a process that left while the others were still running."""
+    how = end.record["message"] if end.record and end.record.get("message") else "exited (code 0)"
+    return f"{end.key} {how} while the other ranks were still running"
 
 
 def describe_exit(end: ProcessEnd) -> str:
@@ -75,10 +116,12 @@ def describe_exit(end: ProcessEnd) -> str:
 
 def summary(end: ProcessEnd) -> str:
     """One line: what went wrong in the root cause."""
-    if end.record and end.record.get("chain"):
-        return f"{end.key} failed: {end.record['chain'][-1]['text'].splitlines()[-1]}"
+    if end.left:
+        return left_line(end)
     if end.record and end.record.get("message"):
         return f"{end.key} {end.record['message']}"
+    if end.record and end.record.get("chain"):
+        return f"{end.key} failed: {end.record['chain'][-1]['text'].splitlines()[-1]}"
     return f"{end.key} {describe_exit(end)}"
 
 
@@ -101,11 +144,18 @@ def render(root: ProcessEnd, others: list[ProcessEnd], name_for: Callable[[str],
     if not chain and root.fault.strip():
         lines.append(f"Python stack of {root.key} when it died (faulthandler):")
         lines.extend("  " + line for line in root.fault.strip().splitlines())
+    if root.left:
+        lines.append("A rank that ends while the others wait in a collective makes them fail: "
+                     "every rank must make the same collective calls.")
+    verb = "exited" if root.left else "failed"
     for end in sorted(others, key=lambda e: _order(e.key)):
-        if end.failed and end.returncode is not None and end.returncode > 0 and end.record and end.record["time"] <= root.failed_at:
+        if (end.failed and end.returncode is not None and end.returncode > 0 and end.record
+                and end.record["time"] <= root.failed_at and not is_consequence(end)):
             lines.append(f"{end.key}: also failed: {summary(end)}")
+        elif end.left and end.failed_at <= root.failed_at:
+            lines.append(f"{end.key}: had already ended (code 0)")
         else:
-            lines.append(f"{end.key}: stopped after {root.key} failed")
+            lines.append(f"{end.key}: stopped after {root.key} {verb}")
     return lines
 
 

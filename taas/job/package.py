@@ -8,6 +8,8 @@ type and -- when it hides behind a function -- the path to it (``train -> sock``
 
 Unreferenced notebook values are never touched.  Big tensors and arrays do not go into the
 pickle bytes: :mod:`taas.job.bigvalues` writes them once to shared memory for the ranks to map.
+IPython's ``exit``, ``quit`` and ``get_ipython``, and library objects that hold the kernel's
+distributed state, cross as :mod:`taas.job.crossing` says.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import re
 import types
 from dataclasses import dataclass, field
 
-import cloudpickle
-
 from taas.errors import PackagingError
+from taas.job import crossing
 from taas.job.bigvalues import BigValues
 
-# IPython's own names never travel: they mean nothing outside the kernel.
-_KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___"}
+# IPython's history names never travel: they mean nothing outside the kernel.  (``exit``,
+# ``quit`` and ``get_ipython`` do, as their plain-Python meaning: see taas.job.crossing.)
+_KERNEL_NAMES = {"In", "Out", "_ih", "_oh", "_dh", "_", "__", "___"}
 # IPython's history variables: _i, _ii, _iii, _i7 (inputs) and _7 (outputs).
 _HISTORY = re.compile(r"_(i{1,3}|i?\d+)$")
 
@@ -58,14 +60,15 @@ def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | fr
     return out
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle whose big arrays go through shared memory (see :mod:`taas.job.bigvalues`).
+class _Pickler(crossing.Pickler):
+    """The pickler to the ranks: :mod:`taas.job.crossing`'s registry, and big arrays through
+    shared memory (see :mod:`taas.job.bigvalues`).
 
     reducer_override, not persistent_id: pickle calls it only for objects that are not ints,
     strings or builtin containers, so values made of many small objects pay nothing for it."""
 
     def __init__(self, file, big: BigValues | None):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, crossing.TO_RANK)
         self._big = big
 
     def reducer_override(self, obj):
@@ -130,7 +133,7 @@ def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues |
     """
     try:
         if not stand_ins and big is None:
-            return cloudpickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+            return crossing.dumps(values, crossing.TO_RANK)
         buffer = io.BytesIO()
         if stand_ins:
             _StandInPickler(buffer, stand_ins, big).dump(values)
@@ -151,9 +154,19 @@ def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues |
                 where = " -> ".join(chain)
                 raise PackagingError(
                     f"cannot send `{where}` ({_type_name(culprit)}) to the ranks: "
-                    f"{_reason(culprit)}. Create it inside the taas cell instead."
+                    f"{_reason(culprit)}. {_advice(chain)}"
                 ) from None
         raise PackagingError(f"cannot send the cell's variables to the ranks: {exc}") from None
+
+
+def _advice(chain: list[str]) -> str:
+    """What to do about the value at the end of ``chain``: the cell reads it directly, or a
+    notebook function (or class) reads it as a global, which travels with the function."""
+    if len(chain) == 1:
+        return "Create it inside the taas cell instead."
+    reader, name = chain[-2], chain[-1]
+    return (f"`{reader}` reads the notebook global `{name}`, which travels with it: create "
+            f"`{name}` inside `{reader}`, or in the taas cell and pass it to `{reader}` as an argument.")
 
 
 def _unshippable(name: str, value, seen: set[int]):
@@ -162,7 +175,7 @@ def _unshippable(name: str, value, seen: set[int]):
         return None
     seen.add(id(value))
     try:
-        cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        crossing.dumps(value, crossing.TO_RANK)
         return None
     except Exception:
         pass
@@ -199,7 +212,7 @@ def _type_name(value) -> str:
 
 def _reason(value) -> str:
     try:
-        cloudpickle.dumps(value)
+        crossing.dumps(value, crossing.TO_RANK)
     except Exception as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return text[:200]

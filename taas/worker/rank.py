@@ -1,12 +1,18 @@
 """The rank runtime: what one rank does, from fork to exit.
 
-    load payload -> device + default process group -> patches -> data views
-    -> exec the cell -> (rank 0) results -> destroy group -> exit code
+    load payload -> device, patches -> default process group + start-up barrier
+    -> data views -> exec the cell -> report "comm" -> (rank 0) results -> exit code
 
 Runs in a process forked by the start process, which already set up stdout/stderr, the
 environment (torchrun's variables), the working directory and the storage rule; see
-:mod:`taas.launch.starter`.  Every way out writes a report (:mod:`taas.worker.report`) and
-returns an exit code; a signal death leaves faulthandler's dump instead.
+:mod:`taas.launch.starter`.  Every way out but the end of the cell writes a report
+(:mod:`taas.worker.report`; ``sys.exit`` too, code 0 included, so the kernel knows where a rank
+left) and returns an exit code; a signal death leaves faulthandler's dump instead.
+
+Every rank passes one barrier right after ``init_process_group``, before the cell: gloo's init
+can return on one rank before a peer finished connecting to it, and a rank that left then
+would fail the peer's init.  After that, a rank that ends never joins a collective: a barrier
+on the way out would pair with a peer's pending ``all_reduce`` and hang the job.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ import os
 import pickle
 import sys
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
+from taas.job import crossing
 from taas.job.analysis import compile_cell
 from taas.job.package import Payload, unship
-from taas.worker import display, patches, report
+from taas.worker import comm, display, patches, report
 
 
 def main(spec) -> int:
@@ -44,21 +50,26 @@ def main(spec) -> int:
         namespace.update(
             __name__="__main__", __builtins__=builtins, display=display.display
         )
+        namespace.setdefault("get_ipython", crossing.get_ipython)
         _install_data_views(payload, namespace)
         out = _run_cell(payload, namespace)
+        comm.report()
         if rank == 0 and payload.results:
             _write_results(job_dir, payload, namespace, out)
-        _teardown(ok=True)
+        _teardown()
         return 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if code != 0:
-            report.write_error(job_dir, key, None, code, f"exited with code {code} (sys.exit)")
-        _teardown(ok=code == 0)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)  # sys.exit("message"), as Python prints it
+        if code == 0:
+            comm.report()
+        report.write_error(job_dir, key, exc, code, f"exited with code {code} (sys.exit)")
+        _teardown()
         return code
     except BaseException as exc:  # the user's error, or KeyboardInterrupt
         report.write_error(job_dir, key, exc, 1)
-        _teardown(ok=False)
+        _teardown()
         return 1
     finally:
         faulthandler.disable()
@@ -74,6 +85,10 @@ def _setup(payload: Payload) -> None:
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         device_id = torch.device("cuda", local_rank)
+    else:
+        # What `accelerate launch --cpu` sets: Accelerator() and Hugging Face's Trainer then run
+        # as the job's ranks on CPU (MULTI_CPU) instead of one process each.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     patches.install(payload.device)
     dist.init_process_group(
         backend=payload.backend,
@@ -83,6 +98,9 @@ def _setup(payload: Payload) -> None:
         timeout=datetime.timedelta(seconds=payload.pg_timeout),
         device_id=device_id,
     )
+    if world > 1:
+        dist.barrier()  # every rank is connected before any can leave (see the docstring)
+    comm.install()
     display.install(rank=int(os.environ["RANK"]))
 
 
@@ -129,19 +147,32 @@ def _write_results(job_dir: str, payload: Payload, namespace: dict, out) -> None
 
 
 def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(value, DistributedDataParallel):
-        value = value.module  # the wrapper holds the process group; the model is what matters
-    if _holds_shards(value):
-        return None, (f"{type(value).__qualname__} holds sharded DTensors that belong to the "
-                      "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
-    if to_cpu:
-        value = _to_cpu(value)
+    """One result as bytes, or why it cannot come back.  Never raises (but for Ctrl-C): a
+    value's failure to pickle -- whatever it raises, SystemExit included -- costs that value,
+    never the job or the other values.  DistributedDataParallel and Lightning Fabric wrappers
+    anywhere in the value come back as what they wrap (taas.job.crossing)."""
+    kind = type(value).__qualname__
+    limit = sys.getrecursionlimit()
     try:
-        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), None
-    except Exception as exc:
-        return None, f"{type(value).__qualname__} cannot be pickled ({str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__})"
+        sys.setrecursionlimit(max(limit, crossing.RESULT_RECURSION_LIMIT))  # deeper: a note
+        value = crossing.unwrap(value)
+        kind = type(value).__qualname__
+        if _holds_shards(value):
+            return None, (f"{type(value).__qualname__} holds sharded DTensors that belong to the "
+                          "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
+        if to_cpu:
+            value = _to_cpu(value)
+        return crossing.dumps(value, crossing.TO_KERNEL), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit from a __reduce__ too: it ends nothing here
+        if isinstance(exc, RecursionError) or isinstance(exc.__cause__, RecursionError):
+            return None, f"{kind} is nested too deeply to pickle"
+        text = str(exc).splitlines()[0][:120] if str(exc) else ""
+        why = text if text and isinstance(exc, Exception) else f"{type(exc).__name__}: {text}".rstrip(": ")
+        return None, f"{kind} cannot be pickled ({why})"
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def _holds_shards(value) -> bool:
@@ -171,18 +202,15 @@ def _to_cpu(value):
     return value
 
 
-def _teardown(ok: bool) -> None:
+def _teardown() -> None:
+    """On every way out: no collective here (see the module docstring)."""
     views = sys.modules.get("taas.data.view")
     if views is not None:  # first: loader workers must not wait for a rank that is leaving
         views.close_views()
     sys.stdout.flush()
     sys.stderr.flush()
-    if ok and dist.is_initialized():
+    if dist.is_initialized():
         try:
-            # No rank leaves while a peer still sets up its connections to it: gloo's
-            # init can return on one rank before the other finished connecting, and a rank
-            # that then exits makes the other's init fail with "Connection closed by peer".
-            dist.barrier()
             dist.destroy_process_group()
         except Exception:
             pass  # a peer failed; the supervisor reports that failure, not this one

@@ -3,7 +3,9 @@
 Errors travel through files, as torch elastic's ``@record`` does: a process that fails writes
 ``<key>.error.json`` before it exits, with the time of failure (the earliest one is the root
 cause), the exception chain and its frames.  Frames inside taas itself are dropped, so a user
-sees their own code.  Rank 0's results go to ``result.pkl``.
+sees their own code.  A rank that calls ``sys.exit`` writes one whatever the code (0 included:
+``exit_code`` 0 is no failure, but says when and where it left).  Rank 0's results go to
+``result.pkl``.
 
 A process killed by a signal writes nothing; faulthandler's dump (``<key>.fault``) then shows
 where its Python code was.
