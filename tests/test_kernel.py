@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from tests.kernel_driver import Kernel, wait_until_gone
+from tests.kernel_driver import Kernel, open_files, process_name, wait_for, wait_until_gone
 
 pytestmark = pytest.mark.kernel
 
@@ -145,7 +145,7 @@ def test_exits_and_signals_stop_the_job(kernel, clean, body, expected):
     run = kernel.run("%%taas --gpus 2\n" + body)
     assert run.status == "error"
     assert expected in re.sub(r"\x1b\[[0-9;]*m", "", run.traceback)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 120  # stopped, not left to the 30-minute collective timeout
 
 
 def test_hang_is_stopped_by_timeout(kernel, clean):
@@ -257,15 +257,16 @@ def test_interrupt_stops_every_rank(kernel, clean):
 def test_killed_kernel_leaves_no_worker(workdir):
     k = Kernel(str(workdir))
     try:
-        k.kc.execute("%%taas --gpus 2\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
-        deadline = time.monotonic() + 60
-        while len(k.descendants()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(1)
+        k.execute("%%taas --gpus 2\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
+
+        def fault_files():  # each rank keeps its faulthandler file open once it runs
+            return [f.path for p in k.descendants() if process_name(p).startswith("taas-rank")
+                    for f in open_files(p) if f.path.endswith(".fault")]
+
+        wait_for(lambda: len(fault_files()) == 2, what="both ranks running")
         tree = [p.pid for p in k.descendants()]
         assert len(tree) >= 3, tree  # start process + 2 ranks
-        job_dirs = {os.path.dirname(f.path) for p in k.descendants() for f in p.open_files()
-                    if f.path.endswith(".fault")}  # each rank keeps its faulthandler file open
+        job_dirs = {os.path.dirname(path) for path in fault_files()}
         assert len(job_dirs) == 1 and all(os.path.isdir(d) for d in job_dirs)
         os.kill(k.pid, signal.SIGKILL)
         assert wait_until_gone(tree, timeout=5) == []
@@ -278,9 +279,9 @@ def test_two_kernels_run_jobs_at_the_same_time(workdir):
     a, b = Kernel(str(workdir)), Kernel(str(workdir))
     try:
         body = "%%taas --gpus 2\nimport torch, torch.distributed as dist, time\nt = torch.ones(1)\nfor _ in range(20):\n    dist.all_reduce(t); time.sleep(0.05)\nprint('sum', t.item())"
-        ids = [k.kc.execute(body) for k in (a, b)]
+        ids = [k.execute(body) for k in (a, b)]
         for k, msg_id in zip((a, b), ids):
-            reply = k.kc.get_shell_msg(timeout=120)
+            reply = k.reply(msg_id)
             assert reply["content"]["status"] == "ok", reply["content"]
     finally:
         a.shutdown()
@@ -398,10 +399,8 @@ def test_sharded_fsdp_objects_are_skipped_with_a_note(kernel, clean):
 def test_restarted_kernel_leaves_no_worker(workdir):
     k = Kernel(str(workdir))
     try:
-        k.kc.execute("%%taas --gpus 2\nimport time\ntime.sleep(600)")
-        deadline = time.monotonic() + 60
-        while not any(p.name() == "taas-rank1" for p in k.descendants()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        k.execute("%%taas --gpus 2\nimport time\ntime.sleep(600)")
+        wait_for(lambda: any(process_name(p) == "taas-rank1" for p in k.descendants()), what="rank 1 running")
         tree = [p.pid for p in k.descendants()]
         assert any(psutil.Process(p).name() == "taas-rank1" for p in tree)
         k.km.restart_kernel(now=True)

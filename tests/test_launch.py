@@ -19,7 +19,7 @@ def launcher():
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def run(launcher, tmp_path, entry, n=2, env=None, timeout=30.0, stop_after=None):
+def run(launcher, tmp_path, entry, n=2, env=None, timeout=300.0, stop_after=None):
     spec = LaunchSpec(
         job_id=f"t{time.monotonic_ns()}",
         job_dir=str(tmp_path),

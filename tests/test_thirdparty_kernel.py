@@ -122,7 +122,7 @@ def test_training_arguments_from_the_notebook_describe_the_job(kernel, clean, wo
         print("args.world_size", args.world_size, "process", args.process_index,
               "should_save", args.should_save, "batches", batches)
         model = trainer.model
-        """), timeout=300)
+        """))
     assert run.error is None, run.traceback
     assert "[rank0] args.world_size 2 process 0 should_save True batches 4" in run.stdout, run.stdout
     assert "[rank1] args.world_size 2 process 1 should_save False batches 4" in run.stdout, run.stdout
@@ -263,7 +263,7 @@ def test_a_rank_that_leaves_early_is_named_and_nothing_hangs(kernel, clean, leav
         else:
             dist.all_reduce(torch.ones(1))
         """)
-    run = kernel.run(body, timeout=120)
+    run = kernel.run(body)
     assert run.status == "error"
     tb = plain(run.traceback)
     assert expected in tb, tb
