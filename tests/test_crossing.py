@@ -56,3 +56,13 @@ def test_training_arguments_leave_their_process_state_behind(tmp_path):
     assert b"PartialState" not in blob and b"_setup_devices" not in blob
     back = pickle.loads(blob)
     assert back.world_size == 1 and back.output_dir == str(tmp_path) and str(back.device) == "cpu"
+
+
+def test_a_shipped_function_keeps_its_file_name():
+    """The cell's file name is what maps a rank's traceback to the notebook cell's lines
+    (cloudpickle >= 3.1.3 would ship every function as "<dynamic-code>")."""
+    namespace: dict = {}
+    exec(compile("def f(x):\n    return 1 / x\n", "/tmp/ipykernel_1/123.py", "exec"), namespace)
+    f = pickle.loads(crossing.dumps(namespace["f"], crossing.TO_RANK))
+    assert f.__code__.co_filename == "/tmp/ipykernel_1/123.py"
+    assert f(2) == 0.5

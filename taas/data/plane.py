@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -86,7 +85,7 @@ class DataPlane:
         return {id(item.entry.loader): item.name for item in self.loaders}
 
     def open(self, job_id: str, job_dir: str) -> None:
-        import cloudpickle
+        from taas.job import crossing
         import torch
 
         self.job_id, self.job_dir = job_id, job_dir
@@ -96,7 +95,7 @@ class DataPlane:
         for index, item in enumerate(self.loaders):
             path = os.path.join(job_dir, f"loader-{index}.pkl")
             try:
-                blob = cloudpickle.dumps(item.entry.loader, protocol=pickle.HIGHEST_PROTOCOL)
+                blob = crossing.dumps(item.entry.loader, crossing.TO_RANK)  # keeps cell file names
             except Exception as exc:
                 raise PackagingError(f"cannot send registered loader `{item.name}` to loader workers: "
                                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None

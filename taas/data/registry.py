@@ -9,7 +9,6 @@ cloudpickle round trip (that is how it travels to the loader workers).  No torch
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -131,8 +130,13 @@ def _user_namespace() -> dict | None:
 def _check_round_trip(loader) -> None:
     import cloudpickle
 
+    from taas.job import crossing
+
     try:
-        blob = cloudpickle.dumps(loader, protocol=pickle.HIGHEST_PROTOCOL)
+        # As plane.open ships it.  (The loads below runs in the kernel: for a class defined in
+        # the notebook, cloudpickle sets the unpickled methods back onto the notebook's own
+        # class, so they must keep their cell's file name -- crossing's pickler does.)
+        blob = crossing.dumps(loader, crossing.TO_RANK)
     except Exception as exc:
         where, culprit = _culprit(loader)
         found = f" (`{where}` is {_type_name(culprit)})" if where else ""

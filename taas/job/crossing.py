@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import types
 from typing import Callable
 
 import cloudpickle
@@ -152,12 +153,26 @@ class Pickler(cloudpickle.Pickler):
         self._direction = direction
 
     def reducer_override(self, obj):
+        if type(obj) is types.CodeType:
+            return _code_reduce(obj)
         reducer = reducer_for(type(obj), self._direction)
         if reducer is not None:
             reduced = reducer(obj)
             if reduced is not NotImplemented:
                 return reduced
         return super().reducer_override(obj)
+
+
+def _code_reduce(code):
+    """cloudpickle's reduction of a code object, keeping its ``co_filename``.
+
+    cloudpickle >= 3.1.3 replaces every shipped function's file name by ``"<dynamic-code>"``
+    (for byte-identical pickles); taas needs the cell's name there, which is what maps a
+    rank's traceback back to the notebook cell and its lines."""
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    if code.co_filename not in args:
+        args = tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+    return constructor, args
 
 
 def unwrap(value):
