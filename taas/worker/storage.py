@@ -66,7 +66,8 @@ to :func:`make_read_only` and warns.
 
 Side effects a user may notice in a rank that went the user-namespace route: files owned by
 a uid or gid other than the rank's own show as owned by ``nobody`` (65534), and root-owned
-files cannot be chowned; permission checks themselves are unchanged.
+files cannot be chowned; permission checks themselves are unchanged.  In a layer, a file owned
+by another user cannot be changed there (copying it up would need that owner: EOVERFLOW).
 """
 
 from __future__ import annotations
@@ -182,11 +183,16 @@ def _write_proc(name: str, text: str) -> None:
         os.close(fd)
 
 
+_user_namespace = False  # this process entered a user namespace of its own
+
+
 def _enter_user_namespace() -> None:
     """``unshare(CLONE_NEWUSER | CLONE_NEWNS)``, keeping this process's own uid and gid."""
+    global _user_namespace
     uid, gid = os.geteuid(), os.getegid()
     try:
         _unshare(CLONE_NEWUSER | CLONE_NEWNS)
+        _user_namespace = True
     except _Refused as exc:
         hint = {errno.ENOSPC: "user namespaces disabled or exhausted: sysctl user.max_user_namespaces",
                 errno.EINVAL: "the process has threads"}.get(exc.errno)
@@ -334,14 +340,15 @@ def _overlay_escape(path: str) -> str:
 def _mount_overlay(path: str, upper: str, work: str, flags: int) -> None:
     options = (f"lowerdir={_overlay_escape(path)},upperdir={_overlay_escape(upper)},"
                f"workdir={_overlay_escape(work)}")
-    data = os.fsencode(options)
-    if _libc.mount(b"overlay", os.fsencode(path), b"overlay", flags, data) == 0:
-        return
-    err = ctypes.get_errno()
-    # Some kernels want overlayfs in a user namespace told to keep its xattrs in user.*
-    if err in (errno.EINVAL, errno.EPERM) and \
-            _libc.mount(b"overlay", os.fsencode(path), b"overlay", flags, data + b",userxattr") == 0:
-        return
+    # In a user namespace overlayfs cannot write its trusted.* xattrs (opaque directories,
+    # redirects): it is told to use user.* ones, where the kernel knows that option (5.11+).
+    tries = ["userxattr", ""] if _user_namespace else ["", "userxattr"]
+    err = 0
+    for extra in tries:
+        data = os.fsencode(options + ("," + extra if extra else ""))
+        if _libc.mount(b"overlay", os.fsencode(path), b"overlay", flags, data) == 0:
+            return
+        err = err or ctypes.get_errno()
     raise _Refused(f"overlay mount: {os.strerror(err) if err else 'failed'}", err)
 
 
