@@ -40,6 +40,7 @@ class JobOptions:
     show: tuple[int, ...] | None = None  # ranks whose output streams live; None = all
     results: bool = True  # return rank 0's new names / last expression to the notebook
     config: str | None = None  # DataSphere '#!NAME' configuration (shown, otherwise ignored)
+    storage: str = "layer"  # what ranks > 0 may write: layer | strict | shared (taas.worker.storage)
 
 
 _SEE_HELP = "see %%taas? for the options"
@@ -124,6 +125,11 @@ _PARSER.add_argument("--show", metavar="all|0|0,2", type=_show,
                      "is still shown if the job fails")
 _PARSER.add_argument("--no-results", dest="results", action="store_false",
                      help="do not return rank 0's new names and last expression")
+_PARSER.add_argument("--storage", choices=("layer", "strict", "shared"), default="layer",
+                     help="what ranks other than 0 may do to the working directory: layer = "
+                     "write a private layer, merged back after the job when it does not conflict "
+                     "(default); strict = only read it (DataSphere's rule); shared = write it "
+                     "directly (for code that coordinates its own writes)")
 _PARSER.add_argument("--config", metavar="NAME", type=_config,
                      help="DataSphere configuration name, as in a '#!NAME' line (shown by "
                      "the %%taas line magic, otherwise ignored)")

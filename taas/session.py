@@ -26,7 +26,7 @@ from taas import directive
 from taas.errors import CellSyntaxError, JobFailed
 from taas.io import failure
 from taas.io.output import LineSplitter, OutputRouter, Sink, TerminalSink
-from taas.job import analysis, crossing, package
+from taas.job import analysis, crossing, merge, package
 from taas.job.bigvalues import BigValues
 from taas.launch.api import LaunchSpec, ProcessExit, ProcessSpec
 from taas.launch.local import LocalLauncher
@@ -106,6 +106,7 @@ class Session:
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],
                                      config=options.config)
         store = handle = None
+        layers = _Layers(job_id, job_dir, options.storage, world > 1 or plane is not None)
         started = time.monotonic()
         try:
             if plane is not None:
@@ -120,7 +121,8 @@ class Session:
             with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
                 pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
             store = _agent_store(world)
-            spec = self._launch_spec(job_id, job_dir, world, store.port, plane)
+            spec = self._launch_spec(job_id, job_dir, world, store.port, plane, options.storage)
+            layers.mark()
             handle = self.launcher.start(spec)
             show = None if options.show is None else {f"rank{r}" for r in options.show}
             router = OutputRouter(sink, [p.key for p in spec.processes], show, tag=world > 1)
@@ -137,6 +139,7 @@ class Session:
                 plane.finish(sink)
                 stats.data = plane.summary()
                 sink.write("stderr", "".join(line + "\n" for line in stats.data))
+            layers.merge(sink)
             return self._results(job_dir, options)
         except JobFailed:
             stats.outcome = "failed"
@@ -156,7 +159,8 @@ class Session:
                 plane.close()  # unlinks the job's shared memory
             stats.wall_s = time.monotonic() - started
             store = None  # closes its listening port
-            shutil.rmtree(job_dir, ignore_errors=True)
+            layers.merge(sink)  # a failed or interrupted job's files too, as rank 0's stay
+            _remove_tree(job_dir)
 
     # ------------------------------------------------------------------------------------
     def _data_plane(self, values: dict, options, world: int, device: str):
@@ -166,7 +170,8 @@ class Session:
 
         return DataPlane.plan(values, options, world, device)
 
-    def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane) -> LaunchSpec:
+    def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane,
+                     storage: str = "layer") -> LaunchSpec:
         common = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -197,9 +202,9 @@ class Session:
             env = dict(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank),
                        TAAS_SCRATCH=scratch)
             processes.append(ProcessSpec(key=f"rank{rank}", entry="taas.worker.rank:main", env=env,
-                                         read_only_cwd=rank != 0))
+                                         storage="shared" if rank == 0 else storage))
         if plane is not None:
-            processes.extend(plane.processes(common))
+            processes.extend(plane.processes(common, storage))
         return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=os.getcwd(), processes=tuple(processes))
 
     def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float):
@@ -287,6 +292,61 @@ class Session:
         elif raw.get("out_skipped"):
             result.notes.append(f"taas: the cell's result was not brought back: {raw['out_skipped']}")
         return result
+
+
+class _Layers:
+    """The ``--storage layer`` bookkeeping of one job: the working directory's clock before the
+    launch, and the merge of every process's layer once all of them have exited."""
+
+    def __init__(self, job_id: str, job_dir: str, storage: str, others: bool):
+        self.job_id, self.job_dir = job_id, job_dir
+        self.active = storage == "layer" and others  # a lone rank 0 has no layer
+        self.cwd = os.getcwd()
+        self.since_ns = 0
+        self.done = False
+
+    def mark(self) -> None:
+        if self.active:
+            self.since_ns = merge.clock_mark(self.cwd) or 0  # 0: every existing file counts as touched
+
+    def merge(self, sink) -> None:
+        """Merge the layers into the working directory (once), showing the notes; never raises
+        but for Ctrl-C."""
+        if not self.active or self.done:
+            return
+        self.done = True
+        root = os.path.join(self.job_dir, "layer")
+        try:
+            names = sorted(os.listdir(root), key=merge._order)
+        except OSError:
+            return
+        layers = [(name, os.path.join(root, name, "upper")) for name in names
+                  if os.path.isdir(os.path.join(root, name, "upper"))]
+        conflicts = os.path.join(self.cwd, ".taas", "conflicts", self.job_id)
+        try:
+            result = merge.merge_layers(self.cwd, layers, self.since_ns, conflicts)
+        except Exception as exc:  # never lose the job's result over it
+            sink.write("stderr", f"taas: could not merge the ranks' layers back: {exc}\n")
+            return
+        for line in result.notes():
+            sink.write("stderr", line + "\n")
+
+
+def _remove_tree(path: str) -> None:
+    """``rm -rf path``, also through directories without permissions (overlayfs leaves its
+    work directory ``d---------``, owned by the rank's user)."""
+    def retry(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=retry)
 
 
 def _job_failed(job_dir: str, ends: list, name_for) -> JobFailed:

@@ -39,6 +39,9 @@ VALID = [
     ("--show 2,0,2", JobOptions(show=(0, 2))),
     ("--no-results", JobOptions(results=False)),
     ("--config g2.8", JobOptions(config="g2.8")),
+    ("--storage strict", JobOptions(storage="strict")),
+    ("--storage shared", JobOptions(storage="shared")),
+    ("--storage layer", JobOptions()),  # the default
     ("--gpus 1 --gpus 3", JobOptions(gpus=3)),  # last one wins, as in argparse
     ("--gpus 2  # two ranks", JobOptions(gpus=2)),  # a trailing comment is ignored
     (
@@ -59,6 +62,7 @@ def test_parse_valid(line, expected):
 # parse_options: invalid lines -> one-line DirectiveError naming the culprit
 
 INVALID = [
+    ("--storage private", "--storage: invalid choice: 'private' (choose from 'layer', 'strict', 'shared')"),
     ("--gpus 0", "--gpus"),
     ("--gpus -1", "--gpus"),
     ("--gpus x", "--gpus"),
@@ -136,6 +140,7 @@ FORMATTED = [
     (JobOptions(timeout=2.5), "--timeout 2.5"),
     (JobOptions(show=(0, 2)), "--show 0,2"),
     (JobOptions(results=False, config="g2.8"), "--no-results --config g2.8"),
+    (JobOptions(gpus=2, storage="strict"), "--gpus 2 --storage strict"),
     (JobOptions(cpus=4, units=7, backend="gloo", device="cpu"),
      "--cpus 4 --units 7 --backend gloo --device cpu"),
 ]
@@ -157,7 +162,7 @@ def test_format_round_trips(line, expected):
 FLAG_OF_FIELD = {
     "gpus": "--gpus", "cpus": "--cpus", "units": "--units", "backend": "--backend",
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
-    "config": "--config",
+    "config": "--config", "storage": "--storage",
 }
 
 

@@ -155,7 +155,7 @@ def test_hang_is_stopped_by_timeout(kernel, clean):
 
 def test_only_rank_zero_writes_the_working_directory(kernel, clean, workdir):
     run = kernel.run(cell("""
-        %%taas --gpus 2
+        %%taas --gpus 2 --storage strict
         import os
         try:
             with open(f"written-by-{os.environ['RANK']}.txt", "w") as f:

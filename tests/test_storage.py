@@ -20,7 +20,7 @@ import traceback
 import pytest
 
 from taas.worker import storage
-from taas.worker.storage import make_read_only, scratch_dir
+from taas.worker.storage import layer_dir, make_read_only, mount_layer, scratch_dir
 
 NOBODY = 65534
 
@@ -338,6 +338,111 @@ def test_not_a_directory_is_a_reason(workdir):
     reason = _in_child(make_read_only, os.path.join(workdir, "nope"))
     assert reason.startswith("cannot make the working directory read-only for ranks > 0 (")
     assert "not a directory" in reason
+
+
+# --- the layer (--storage layer) ---------------------------------------------------------------
+
+
+def _layered_rank(root: str, layer: str, drop: bool = False) -> dict:
+    """A rank > 0 under --storage layer: writes, changes and deletes in ``root``."""
+    if drop:
+        _drop_to_nobody()
+    reason = mount_layer(root, layer)
+    result = {"reason": reason, "writes": {}}
+    if reason is None:
+        with open("new.txt", "w") as f:
+            f.write("rank1")
+        with open(f"{root}/existing.txt", "w") as f:
+            f.write("changed by rank1")
+        os.unlink(f"{root}/doomed.txt")
+        result["sees"] = sorted(os.listdir(root))
+        result["sub"] = _try_write(f"{root}/sub/in-a-mount.txt")
+        result["sub_is_mount"] = os.path.ismount(f"{root}/sub")
+    return result
+
+
+def _mounted_sub(root: str) -> dict:
+    """The host has a file system mounted inside the working directory (a tmpfs here)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                           ctypes.c_ulong, ctypes.c_void_p]
+    assert libc.unshare(storage.CLONE_NEWNS) == 0
+    assert libc.mount(None, b"/", None, storage.MS_REC | storage.MS_PRIVATE, None) == 0
+    assert libc.mount(b"tmpfs", f"{root}/sub".encode(), b"tmpfs", 0, b"mode=0777") == 0
+    rank = _in_child(_layered_rank, root, layer_dir(root + "-job", "rank1"))
+    return {"rank": rank, "sub_files": os.listdir(f"{root}/sub")}
+
+
+@pytest.fixture
+def layered(workdir):
+    """The working directory with two files from before the job, a job directory outside it."""
+    for name in ("existing.txt", "doomed.txt"):
+        with open(os.path.join(workdir, name), "w") as f:
+            f.write("before")
+    os.makedirs(os.path.join(workdir, "sub"))
+    job = workdir + "-job"
+    os.makedirs(job)
+    os.chmod(job, 0o777)
+    yield workdir, job
+    shutil.rmtree(job, ignore_errors=True)
+
+
+def _expect_layer(result: dict) -> None:
+    if result["reason"] is not None:
+        if _refusal() is None and "overlay mount" not in result["reason"]:
+            pytest.fail(f"the kernel allows the namespaces, yet: {result['reason']}")
+        assert "\n" not in result["reason"]
+        pytest.skip(f"no layer here: {result['reason']}")
+
+
+def test_a_layer_takes_the_ranks_writes_and_leaves_the_directory_alone(layered):
+    root, job = layered
+    layer = layer_dir(job, "rank1")
+    result = _in_child(_layered_rank, root, layer)
+    _expect_layer(result)
+    assert result["sees"] == ["existing.txt", "job", "new.txt", "sub"]  # its own view
+    upper = os.path.join(layer, "upper")
+    with open(os.path.join(upper, "new.txt")) as f:
+        assert f.read() == "rank1"
+    with open(os.path.join(upper, "existing.txt")) as f:
+        assert f.read() == "changed by rank1"
+    assert os.stat(os.path.join(upper, "doomed.txt")).st_rdev == 0  # a whiteout
+    # The real directory, as every other process sees it: untouched, no mount left.
+    assert sorted(os.listdir(root)) == ["doomed.txt", "existing.txt", "job", "sub"]
+    with open(os.path.join(root, "existing.txt")) as f:
+        assert f.read() == "before"
+    assert _mounts_under(root) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a tmpfs")
+def test_mounts_inside_the_directory_stay_visible_and_writable_in_a_layer(layered):
+    root, _ = layered
+    _require_namespaces()
+    result = _in_child(_mounted_sub, root)
+    _expect_layer(result["rank"])
+    assert result["rank"]["sub_is_mount"] and result["rank"]["sub"] == "ok"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops root to nobody: the user-namespace route")
+def test_a_layer_for_a_non_root_rank(layered):
+    root, job = layered
+    for name in (".", "existing.txt", "doomed.txt", "sub"):  # the user's own files
+        os.chown(os.path.join(root, name), NOBODY, NOBODY)
+    result = _in_child(_layered_rank, root, layer_dir(job, "rank1"), True)
+    _expect_layer(result)
+    assert result["sees"] == ["existing.txt", "job", "new.txt", "sub"]
+    with open(os.path.join(layer_dir(job, "rank1"), "upper", "existing.txt")) as f:
+        assert f.read() == "changed by rank1"
+
+
+def test_a_layer_inside_the_directory_is_refused_with_a_reason(workdir):
+    result = _in_child(mount_layer, workdir, os.path.join(workdir, "job", "layer", "rank1"))
+    assert result == ("cannot give ranks > 0 a private layer over the working directory "
+                      "(the job directory is inside the working directory)")
+
+
+def test_layer_dir_is_a_plain_name(tmp_path):
+    assert layer_dir("/j", "loader:train:0") == "/j/layer/loader-train-0"
 
 
 def test_scratch_dir(tmp_path):

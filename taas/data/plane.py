@@ -122,13 +122,13 @@ class DataPlane:
                 pin_memory=bool(getattr(loader, "pin_memory", False)) and self.device == "cuda",
             )
 
-    def processes(self, env: dict) -> list[ProcessSpec]:
+    def processes(self, env: dict, storage: str = "strict") -> list[ProcessSpec]:
         out = []
         for item in self.loaders:
             for worker in range(item.plan.workers):
                 out.append(ProcessSpec(
                     key=f"loader:{item.name}:{worker}", entry="taas.data.worker:main",
-                    env=dict(env, OMP_NUM_THREADS="1"), read_only_cwd=True,
+                    env=dict(env, OMP_NUM_THREADS="1"), storage=storage,
                     args=(dict(item.cfg, worker=worker),),
                 ))
         return out

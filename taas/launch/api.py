@@ -34,13 +34,16 @@ class ProcessSpec:
     """What one process of a job runs.
 
     ``entry`` is ``"package.module:function"``; the child calls ``function(spec)`` and exits
-    with the integer it returns.  ``env`` is added to the child's environment.
+    with the integer it returns.  ``env`` is added to the child's environment.  ``storage`` is
+    what the process may do to the working directory (:mod:`taas.worker.storage`):
+    ``"shared"`` write it (rank 0), ``"layer"`` write a private layer of it that is merged back
+    after the job, ``"strict"`` only read it.
     """
 
     key: str
     entry: str
     env: dict[str, str] = field(default_factory=dict)
-    read_only_cwd: bool = False
+    storage: str = "shared"  # shared | layer | strict
     args: tuple = ()
 
 

@@ -319,6 +319,28 @@ def _drain(fd: int) -> None:
         pass
 
 
+def _storage(spec, cwd: str) -> tuple[str | None, str]:
+    """Apply ``spec.storage`` to this (single-threaded, just forked) process: (a one-line
+    warning or None, the mode in force: ``shared``, ``layer``, ``strict`` or ``none`` when
+    even the read-only rule was refused)."""
+    if spec.storage not in ("layer", "strict"):
+        return None, "shared"
+    from taas.worker.storage import layer_dir, make_read_only, mount_layer
+
+    job_dir = spec.env.get("TAAS_JOB_DIR", "")
+    refused = None
+    if spec.storage == "layer" and job_dir:
+        refused = mount_layer(cwd, layer_dir(job_dir, spec.key))
+        if refused is None:
+            return None, "layer"
+    warning = make_read_only(cwd, keep_writable=[job_dir] if job_dir else [])
+    if refused is None:
+        return warning, "strict" if warning is None else "none"
+    if warning is None:
+        return f"{refused}: read-only for them instead, as with --storage strict", "strict"
+    return f"{refused}; {warning}", "none"
+
+
 def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: int) -> None:
     """Runs in the forked child: become a clean process for ``spec`` and run its entry."""
     code = 70  # EX_SOFTWARE, if setup itself fails
@@ -337,12 +359,7 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
         os.close(out)
         os.close(err)
         os.chdir(cwd)
-        warning = None
-        if spec.read_only_cwd:
-            from taas.worker.storage import make_read_only
-
-            job_dir = spec.env.get("TAAS_JOB_DIR", "")
-            warning = make_read_only(cwd, keep_writable=[job_dir] if job_dir else [])
+        warning, storage = _storage(spec, cwd)
         # After any namespace change (which resets it): die with the starter.
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != starter:  # it died before we asked
@@ -352,6 +369,7 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
         sys.stdin = open(os.devnull)
         os.environ.update(spec.env)
         os.environ["TAAS_EVENTS_FD"] = str(events)
+        os.environ["TAAS_STORAGE"] = storage
         if warning:
             os.environ["TAAS_STORAGE_WARNING"] = warning
         module, _, function = spec.entry.partition(":")

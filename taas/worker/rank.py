@@ -43,7 +43,7 @@ def main(spec) -> int:
     try:
         with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
             payload: Payload = pickle.load(f)
-        if rank == 0 and os.environ.get("TAAS_STORAGE_WARNING"):
+        if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
             print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
         _setup(payload)
         namespace = unship(payload.names)

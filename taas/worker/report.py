@@ -13,6 +13,7 @@ where its Python code was.
 
 from __future__ import annotations
 
+import errno
 import json
 import linecache
 import os
@@ -74,6 +75,41 @@ def describe_exception(exc: BaseException) -> list[dict]:
     return chain
 
 
+def storage_hint(exc: BaseException | None) -> str | None:
+    """One line of advice when ``exc`` (or an exception it came from) is this process being
+    refused a write under the working directory by the read-only rule (EROFS), else None."""
+    mode = os.environ.get("TAAS_STORAGE")
+    if mode != "strict":
+        return None
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.EROFS and _in_cwd(exc.filename):
+            break
+        exc = exc.__cause__ or exc.__context__
+    else:
+        return None
+    if os.environ.get("TAAS_STORAGE_WARNING"):  # --storage layer was asked for and refused
+        return ("taas: the working directory is read-only for ranks other than 0 here (this "
+                "machine refused --storage layer, see the warning above): write from rank 0, to "
+                "this rank's scratch directory ($TAAS_SCRATCH), or use --storage shared if the "
+                "ranks never write the same files")
+    return ("taas: the working directory is read-only for ranks other than 0 under --storage "
+            "strict: write from rank 0, to this rank's scratch directory ($TAAS_SCRATCH), or "
+            "use --storage layer")
+
+
+def _in_cwd(filename) -> bool:
+    if filename is None:
+        return True  # a write without a name (os.write): EROFS here is the rule's
+    try:
+        path = os.path.realpath(os.fsdecode(filename))
+        cwd = os.path.realpath(os.getcwd())
+    except (OSError, TypeError, ValueError):
+        return False
+    return path == cwd or path.startswith(cwd.rstrip(os.sep) + os.sep)
+
+
 def write_error(job_dir: str, key: str, exc: BaseException | None, exit_code: int, message: str = "") -> None:
     record = {
         "key": key,
@@ -81,6 +117,7 @@ def write_error(job_dir: str, key: str, exc: BaseException | None, exit_code: in
         "exit_code": exit_code,
         "message": message,
         "chain": describe_exception(exc) if exc is not None else [],
+        "hint": storage_hint(exc),
     }
     tmp = error_path(job_dir, key) + ".tmp"
     with open(tmp, "w") as f:

@@ -1,11 +1,23 @@
-"""The storage rule, enforced: ranks > 0 cannot write under the working directory.
+"""The storage rule in a rank > 0: a private layer over the working directory, or read-only.
 
-Rank 0 writes checkpoints, logs and results under the working directory like any script;
-the other ranks must not (N ranks writing the same file is the classic way to corrupt it).
+Rank 0 writes checkpoints, logs and results under the working directory like any script.
+The other ranks must never overwrite its files, nor each other's, silently (N ranks writing
+the same file is the classic way to corrupt it).  Two ways, chosen by ``--storage``:
+
+* ``layer`` (the default, :func:`mount_layer`): the rank sees the working directory through
+  an overlay file system whose writable upper layer lies in the job directory
+  (``<job_dir>/layer/<key>/upper``, :func:`layer_dir`).  Everything it writes lands there, so
+  libraries that write from every rank (Hugging Face ``Trainer``'s ``rng_state_{rank}.pth``)
+  just work; after the job the kernel merges each layer back (:mod:`taas.job.merge`) where it
+  does not conflict with rank 0 or another rank.
+* ``strict`` (DataSphere's rule, :func:`make_read_only`): the working directory is read-only;
+  a write fails with EROFS.
+
 Every rank, rank 0 included, has its own writable scratch directory (:func:`scratch_dir`).
+Both are done in each freshly forked rank > 0 before anything else runs, while the process is
+still single-threaded, in a mount namespace of the rank's own.
 
-How it is enforced (Linux, :func:`make_read_only`, called in each freshly forked rank > 0
-before anything else runs, while the process is still single-threaded):
+How the read-only rule is enforced (Linux, :func:`make_read_only`):
 
 1. The process gets a mount namespace of its own: ``unshare(CLONE_NEWNS)`` when it is root,
    else ``unshare(CLONE_NEWUSER | CLONE_NEWNS)`` followed by identity maps of its own uid and
@@ -41,9 +53,21 @@ allow-list, so it cannot deny one subtree (the working directory) of a tree it m
 (``/``, ``/tmp``, the job directory beneath the working directory...) without enumerating
 every other writable place on the machine.
 
+How the layer is mounted (:func:`mount_layer`): steps 1 and 2 as above, then the mount
+points strictly inside the directory are opened (``O_PATH``) and an ``overlay`` file system is
+mounted over the directory (``lowerdir`` = the directory itself, ``upperdir``/``workdir`` in
+the job directory, the directory's nosuid/nodev/noexec flags carried over); the overlay does
+not show mounts of the lower directory, so each of them is bind-mounted back at its place from
+its open descriptor.  The current directory is re-entered and the result checked: a test file
+created in the directory must appear in the upper layer.  The upper layer must not lie inside
+the directory (the kernel refuses overlapping layers): with the job directory inside the
+working directory, the layer is refused with a reason.  On any refusal the caller falls back
+to :func:`make_read_only` and warns.
+
 Side effects a user may notice in a rank that went the user-namespace route: files owned by
 a uid or gid other than the rank's own show as owned by ``nobody`` (65534), and root-owned
-files cannot be chowned; permission checks themselves are unchanged.
+files cannot be chowned; permission checks themselves are unchanged.  In a layer, a file owned
+by another user cannot be changed there (copying it up would need that owner: EOVERFLOW).
 """
 
 from __future__ import annotations
@@ -51,11 +75,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Sequence
 
-__all__ = ["make_read_only", "scratch_dir"]
+__all__ = ["layer_dir", "make_read_only", "mount_layer", "scratch_dir"]
 
 # <sched.h>
 CLONE_NEWNS = 0x00020000
@@ -95,6 +120,7 @@ _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
 
 _REASON = "cannot make the working directory read-only for ranks > 0 ({})"
+_LAYER_REASON = "cannot give ranks > 0 a private layer over the working directory ({})"
 
 
 class _Refused(Exception):
@@ -157,11 +183,16 @@ def _write_proc(name: str, text: str) -> None:
         os.close(fd)
 
 
+_user_namespace = False  # this process entered a user namespace of its own
+
+
 def _enter_user_namespace() -> None:
     """``unshare(CLONE_NEWUSER | CLONE_NEWNS)``, keeping this process's own uid and gid."""
+    global _user_namespace
     uid, gid = os.geteuid(), os.getegid()
     try:
         _unshare(CLONE_NEWUSER | CLONE_NEWNS)
+        _user_namespace = True
     except _Refused as exc:
         hint = {errno.ENOSPC: "user namespaces disabled or exhausted: sysctl user.max_user_namespaces",
                 errno.EINVAL: "the process has threads"}.get(exc.errno)
@@ -285,6 +316,109 @@ def make_read_only(path: str, keep_writable: Sequence[str] = ()) -> str | None:
         except OSError:
             pass
     return _REASON.format(" ".join(reason.split()))  # one line, whatever a path holds
+
+
+def _submounts(path: str) -> list[str]:
+    """Mount points strictly inside ``path`` in this namespace, outermost only (a bind mount
+    with ``MS_REC`` brings the ones below along)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+                  for line in f]
+    inside = sorted({p for p in points if _inside(p, path)}, key=len)
+    top: list[str] = []
+    for p in inside:
+        if not any(p == t or _inside(p, t) for t in top):
+            top.append(p)
+    return top
+
+
+def _overlay_escape(path: str) -> str:
+    """A path as overlayfs's option parser reads it (``:`` and ``,`` separate; ``\\`` escapes)."""
+    return path.replace("\\", "\\\\").replace(":", "\\:").replace(",", "\\,")
+
+
+def _mount_overlay(path: str, upper: str, work: str, flags: int) -> None:
+    options = (f"lowerdir={_overlay_escape(path)},upperdir={_overlay_escape(upper)},"
+               f"workdir={_overlay_escape(work)}")
+    # In a user namespace overlayfs cannot write its trusted.* xattrs (opaque directories,
+    # redirects): it is told to use user.* ones, where the kernel knows that option (5.11+).
+    tries = ["userxattr", ""] if _user_namespace else ["", "userxattr"]
+    err = 0
+    for extra in tries:
+        data = os.fsencode(options + ("," + extra if extra else ""))
+        if _libc.mount(b"overlay", os.fsencode(path), b"overlay", flags, data) == 0:
+            return
+        err = err or ctypes.get_errno()
+    raise _Refused(f"overlay mount: {os.strerror(err) if err else 'failed'}", err)
+
+
+def layer_dir(job_dir: str, key: str) -> str:
+    """``<job_dir>/layer/<key>``: the directory holding a process's ``upper`` and ``work``
+    directories (``key`` made a plain file name: ``loader:train:0`` -> ``loader-train-0``)."""
+    return os.path.join(job_dir, "layer", re.sub(r"[^A-Za-z0-9_.-]", "-", key))
+
+
+def mount_layer(path: str, layer: str) -> str | None:
+    """Give THIS process (and its future children) a private writable layer over ``path``:
+    what it writes under ``path`` lands in ``<layer>/upper``; the real directory and every
+    other process are untouched.  See the module docstring for how.
+
+    Returns None when done, else a one-line reason (nothing is left half done: ``path`` is as
+    before, writable).  Never raises.  Must be called while the process is single-threaded.
+    ``layer`` lies outside ``path`` (the job directory) and is created here.
+    """
+    if _libc is None:
+        return _LAYER_REASON.format(f"not supported on {sys.platform}")
+    cwd = None
+    mounted: list[str] = []
+    fds: list[int] = []
+    try:
+        cwd = os.getcwd()
+        path = os.path.realpath(path)
+        if not os.path.isdir(path):
+            return _LAYER_REASON.format(f"{path}: not a directory")
+        real_layer = os.path.realpath(layer)
+        if real_layer == path or _inside(real_layer, path):
+            return _LAYER_REASON.format("the job directory is inside the working directory")
+        upper, work = os.path.join(real_layer, "upper"), os.path.join(real_layer, "work")
+        os.makedirs(upper, exist_ok=True)
+        os.makedirs(work, exist_ok=True)
+        flags = _carried_flags(path) & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME
+                                        | MS_NODIRATIME | MS_RELATIME | MS_NOSYMFOLLOW)
+
+        _enter_mount_namespace()
+        _mount(None, "/", MS_REC | MS_PRIVATE, "mount --make-rprivate /")
+        subs = _submounts(path)
+        fds = [os.open(p, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW) for p in subs]
+        _mount_overlay(path, upper, work, flags)
+        mounted.append(path)
+        for p, fd in zip(subs, fds):  # the overlay hides mounts below the lower directory
+            _mount(f"/proc/self/fd/{fd}", p, MS_BIND | MS_REC, f"bind mount of {p}")
+            mounted.append(p)
+        os.chdir(cwd)  # the current directory still refers to the directory below
+        fd, name = tempfile.mkstemp(dir=path, prefix=".taas-layer-check-")
+        os.close(fd)
+        landed = os.path.exists(os.path.join(upper, os.path.basename(name)))
+        os.unlink(name)
+        if landed:
+            return None
+        reason = "enforcement failed silently: a test file did not land in the layer"
+    except _Refused as exc:
+        reason = str(exc)
+    except Exception as exc:  # the contract is a reason, never an exception
+        reason = f"{type(exc).__name__}: {exc}"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for p in reversed(mounted):  # undo: a reason means the directory is as before
+        if _libc.umount2(os.fsencode(p), MNT_DETACH) != 0:
+            reason += f"; undo failed: {os.strerror(ctypes.get_errno())}"
+    if cwd is not None:
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
+    return _LAYER_REASON.format(" ".join(reason.split()))
 
 
 def scratch_dir(job_dir: str, rank: int) -> str:
