@@ -131,6 +131,23 @@ def test_training_arguments_from_the_notebook_describe_the_job(kernel, clean, wo
     assert back.stdout.strip() == "BertForSequenceClassification 1", back.traceback
 
 
+def test_accelerate_test_script_with_ranks_sharing_one_file(kernel, clean, workdir):
+    """accelerate's own test_script appends to one file from every rank and reads it back on
+    the main process: ranks coordinating through a file need ``--storage shared`` (with the
+    default layer each rank > 0 writes its own copy, merged after the job)."""
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --storage shared
+        from accelerate import Accelerator
+        from accelerate.test_utils.scripts.test_script import process_execution_check
+        process_execution_check()
+        state = Accelerator().state
+        print("distributed", state.distributed_type, "processes", state.num_processes)
+        """))
+    assert run.error is None, run.traceback
+    assert "[rank1] distributed DistributedType.MULTI_CPU processes 2" in run.stdout, run.stdout
+    assert not (workdir / "check_main_process_first.txt").exists()
+
+
 def test_trainer_without_use_cpu_also_runs_as_the_job_on_cpu(kernel, clean, workdir):
     kernel.run(f"from transformers import TrainingArguments\n"
                f"plain_args = TrainingArguments(output_dir={str(workdir / 'hf-plain')!r}, report_to=[])")

@@ -53,7 +53,8 @@ class MergeReport:
             notes.append(
                 f"taas: {_names(who)} wrote {_paths(self.conflicts)} differently from rank 0 or "
                 f"each other: the working directory keeps rank 0's version (or the one from "
-                f"before the job); the other copies are in {self.conflict_dir}/")
+                f"before the job); the other copies are in {self.conflict_dir}/ (for ranks that "
+                f"share files on purpose: --storage shared)")
         if self.deleted:
             who = sorted({name for names in self.deleted.values() for name in names}, key=_order)
             notes.append(f"taas: {_names(who)} deleted {_paths(self.deleted)}: deletions by ranks "
