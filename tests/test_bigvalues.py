@@ -282,3 +282,50 @@ def test_unlink_without_waiting_removes_the_files_in_a_thread(big):
         if thread.name == "taas-unlink":
             thread.join(timeout=30)
     assert files(big) == [] and big.paths == []
+
+
+# -- resident storages: moved to shared memory once, passed by descriptor ----------------------
+@pytest.fixture
+def resident(monkeypatch):
+    """A shipment with resident storages, and a 'rank' in this process: the env var the
+    launcher sets, listing the passed descriptors (here: the kernel's own duplicates)."""
+    shipment = BigValues("testjob", resident=True)
+    yield shipment, lambda: monkeypatch.setenv(bigvalues.SHARED_FDS_ENV, ",".join(map(str, shipment.fds)))
+    shipment.unlink()
+
+
+def test_a_storage_moves_to_shared_memory_once_and_its_views_follow(resident):
+    big, as_rank = resident
+    base = torch.randn(4 * N)
+    view = base[N:2 * N]
+    before = base.clone()
+    blob = package.ship({"base": base, "view": view}, big=big)
+    assert len(big.fds) == 1 and big.written == 4 * MIB
+    assert base.untyped_storage()._get_shared_fd() >= 0  # the notebook's tensor now lives there
+    assert torch.equal(base, before) and view.data_ptr() == base.data_ptr() + N * 4
+    as_rank()
+    got = package.unship(blob)
+    assert torch.equal(got["base"], before)
+    got["view"][0] = 123.0  # copy-on-write in the rank ...
+    assert got["base"][N].item() == 123.0 and base[N].item() == before[N].item()  # ... never the notebook's
+    base[0] = -5.0  # the notebook keeps using its tensor as before
+    assert base[0].item() == -5.0
+
+
+def test_a_resident_storage_is_not_copied_again(resident):
+    big, as_rank = resident
+    base = torch.randn(2 * N)
+    package.ship({"x": base}, big=big)
+    big.unlink()
+    again = BigValues("testjob2", resident=True)
+    try:
+        blob = package.ship({"x": base}, big=again)
+        assert again.written == 0 and len(again.fds) == 1  # no copy: the same file, passed again
+        os.environ[bigvalues.SHARED_FDS_ENV] = ",".join(map(str, again.fds))
+        try:
+            assert torch.equal(package.unship(blob)["x"], base)
+        finally:
+            del os.environ[bigvalues.SHARED_FDS_ENV]
+    finally:
+        again.unlink()
+    assert again.fds == []

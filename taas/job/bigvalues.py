@@ -20,6 +20,18 @@ path: non-CPU storages, numpy subclasses (``np.memmap``, masked arrays), object 
 non-contiguous arrays.  When the directory lacks room (statvfs, or a failed write) a value
 travels the ordinary way and :attr:`BigValues.notes` says so in one line.
 
+**Resident tensors.**  Copying a GiB into fresh shared memory costs most of a second (new pages),
+every job.  So a plain CPU tensor storage is copied once and *stays* there: its bytes go to an
+unnamed shared-memory file and the storage itself is switched to a shared mapping of that file
+(``UntypedStorage._swap_data_ptr_``: every tensor viewing it sees the same values, now in shared
+memory -- what ``tensor.share_memory_()`` and ``torch.multiprocessing`` do).  The file is open
+only as long as the storage lives (torch closes it with the storage: nothing to clean up, not
+even after a killed kernel).  A later job sends the same storage with no copy at all: the
+launcher passes the file's descriptor to every process (:attr:`BigValues.fds`,
+``LaunchSpec.shared_fds``), which maps it copy-on-write through ``/proc/self/fd``.  A storage
+already shared by descriptor (``share_memory_()``) travels the same way.  The one difference a
+user can see: such a storage cannot be resized in place any more, as after ``share_memory_()``.
+
 The files are named like the data plane's segments, so the kernel's cleanup after the job
 (:meth:`BigValues.unlink`, and ``segment.unlink_job``) and the start process's cleanup when the
 kernel dies remove them too.
@@ -47,8 +59,11 @@ _PART = 32 << 20  # a thread writes at least this much
 class BigValues:
     """The kernel side for one job: writes big arrays to files, remembers them, removes them."""
 
-    def __init__(self, job_id: str, directory: str = SHM_DIR, threshold: int = THRESHOLD):
+    def __init__(self, job_id: str, directory: str = SHM_DIR, threshold: int = THRESHOLD,
+                 resident: bool = False):
         self.job_id, self.directory, self.threshold = job_id, directory, threshold
+        self.resident = resident  # tensor storages move to shared memory for good (see above)
+        self.fds: list[int] = []  # our duplicates of resident storages' files, for the launcher
         self.paths: list[str] = []  # named files
         self._unnamed: list[tuple[int, str]] = []  # (fd, name it gets) until publish()
         self.written = 0  # bytes
@@ -97,10 +112,60 @@ class BigValues:
         view of it share one storage in the rank), written to a file; None if it did not fit."""
         entry = self._storages.get(untyped._cdata)
         if entry is None:
-            nbytes = untyped.nbytes()
-            data = (ctypes.c_char * nbytes).from_address(untyped.data_ptr())
-            entry = self._storages[untyped._cdata] = (untyped, self._write(memoryview(data)))
+            where = self._resident_fd(untyped) if self.resident else None
+            if where is None:
+                nbytes = untyped.nbytes()
+                data = (ctypes.c_char * nbytes).from_address(untyped.data_ptr())
+                where = self._write(memoryview(data))
+            entry = self._storages[untyped._cdata] = (untyped, where)
         return entry[0] if entry[1] is not None else None
+
+    def _resident_fd(self, untyped) -> int | None:
+        """The index in :attr:`fds` of ``untyped``'s shared-memory file, moving the storage
+        there first if it is a plain allocation; None where that cannot be done."""
+        try:
+            fd = untyped._get_shared_fd()  # already resident, or shared by share_memory_()
+        except RuntimeError:  # a plain allocation: not shared yet
+            fd = self._make_resident(untyped)
+        except AttributeError:  # a torch without it
+            return None
+        if fd is None or fd < 0:  # (-1: mapped from a named file; that goes the file way)
+            return None
+        self.fds.append(os.dup(fd))  # ours for the job: the storage may die meanwhile
+        return len(self.fds) - 1
+
+    def _make_resident(self, untyped) -> int | None:
+        import torch
+
+        nbytes = untyped.nbytes()
+        if not hasattr(untyped, "_swap_data_ptr_") or not self._room(nbytes):
+            return None
+        try:
+            fd = _open_unnamed(self.directory, os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            _write_parallel(fd, memoryview((ctypes.c_char * nbytes).from_address(untyped.data_ptr())))
+            shared = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # keeps its own dup
+        except OSError:  # ENOSPC: a race with another writer
+            self._free = 0
+            return None
+        finally:
+            os.close(fd)
+        untyped._swap_data_ptr_(shared)  # the storage now lives in shared memory ...
+        del shared  # ... and this frees the old bytes
+        self._free -= nbytes
+        self.written += nbytes
+        return untyped._get_shared_fd()
+
+    def _room(self, nbytes: int) -> bool:
+        if self._free is None:
+            try:
+                st = os.statvfs(self.directory)
+                self._free = st.f_bavail * st.f_frsize
+            except OSError:
+                self._free = 0
+        return nbytes + ROOM_MARGIN <= self._free
 
     def _reduce_array(self, array):
         if array.nbytes < self.threshold or array.dtype.hasobject:
@@ -120,13 +185,7 @@ class BigValues:
 
     def _write(self, data: memoryview) -> str | None:
         nbytes = data.nbytes
-        if self._free is None:
-            try:
-                st = os.statvfs(self.directory)
-                self._free = st.f_bavail * st.f_frsize
-            except OSError:
-                self._free = 0
-        if nbytes + ROOM_MARGIN > self._free:
+        if not self._room(nbytes):
             self._left_out += nbytes
             return None
         path = os.path.join(self.directory, f"taas-{self.job_id}-value{len(self.paths) + len(self._unnamed)}")
@@ -170,6 +229,7 @@ class BigValues:
         for fd, _ in self._unnamed:
             os.close(fd)
         self._unnamed.clear()
+        self.close_fds()
         paths, self.paths = self.paths, []
         self._storages.clear()
         if wait or not paths:
@@ -178,6 +238,13 @@ class BigValues:
         else:
             threading.Thread(target=lambda: [_remove(p) for p in paths], name="taas-unlink",
                              daemon=True).start()
+
+
+    def close_fds(self) -> None:
+        """Close our duplicates of the resident files (once the launcher has passed them on)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
 
 def _candidate_types() -> dict[type, str]:
@@ -195,11 +262,18 @@ def _candidate_types() -> dict[type, str]:
 
 
 # -- in the rank: called by the unpickler ------------------------------------------------------
-def _map_storage(path: str, nbytes: int):
-    """A storage over a private (copy-on-write) mapping of ``path``; pages load on first touch."""
+SHARED_FDS_ENV = "TAAS_SHARED_FDS"  # the job's shared fds as this process has them: "5,6,..."
+
+
+def _map_storage(where, nbytes: int):
+    """A storage over a private (copy-on-write) mapping of file ``where`` (a path, or the index
+    of a file descriptor the launcher passed); pages load on first touch."""
     import torch
 
-    return torch.UntypedStorage.from_file(path, shared=False, nbytes=nbytes)
+    if isinstance(where, int):
+        fds = os.environ.get(SHARED_FDS_ENV, "").split(",")
+        where = f"/proc/self/fd/{int(fds[where])}"
+    return torch.UntypedStorage.from_file(where, shared=False, nbytes=nbytes)
 
 
 def _typed_storage(untyped, dtype):
@@ -269,8 +343,8 @@ def _create(directory: str, path: str) -> tuple[int, bool]:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), True
 
 
-def _open_unnamed(directory: str) -> int:
-    return os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+def _open_unnamed(directory: str, mode: int = os.O_WRONLY) -> int:
+    return os.open(directory, os.O_TMPFILE | mode | os.O_CLOEXEC, 0o600)
 
 
 def _probe_unnamed(directory: str) -> bool:
