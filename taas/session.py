@@ -222,7 +222,7 @@ class Session:
                 elif event.stream != "events":
                     router.feed(event.key, event.stream, event.data)
                 else:
-                    lines, _ = event_lines.setdefault(event.key, LineSplitter()).feed(event.data)
+                    lines, _ = event_lines.setdefault(event.key, LineSplitter(max_line=None)).feed(event.data)
                     for line in lines:
                         self._on_event(event.key, line, sink, plane)
 
