@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from taas import directive
-from taas.errors import CellSyntaxError, JobFailed
+from taas.errors import CellSyntaxError, JobFailed, LaunchError
 from taas.io import failure
 from taas.io.output import LineSplitter, OutputRouter, Sink, TerminalSink
 from taas.job import analysis, crossing, package
@@ -86,6 +86,7 @@ class Session:
                  filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
                  hidden: frozenset = frozenset(), name_for=None) -> CellResult:
         sink = sink or TerminalSink()
+        cwd = working_directory()  # before anything else: even importing torch needs it
         cuda_devices = cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices)
         try:
@@ -101,7 +102,14 @@ class Session:
         for line in ([note] if note else []) + big.notes:
             sink.write("stderr", line + "\n")
 
-        job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
+        try:
+            job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
+        except OSError as exc:
+            big.unlink(wait=False)
+            raise LaunchError(
+                f"cannot create the job's directory in {tempfile.gettempdir()}: "
+                f"{exc.strerror or exc}; free space there, or set TMPDIR to a writable "
+                "directory and restart the kernel") from None
         stats = self.last = JobStats(job_id, world, device, backend,
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],
                                      config=options.config)
@@ -120,7 +128,7 @@ class Session:
             with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
                 pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
             store = _agent_store(world)
-            spec = self._launch_spec(job_id, job_dir, world, store.port, plane)
+            spec = self._launch_spec(job_id, job_dir, world, store.port, plane, cwd)
             handle = self.launcher.start(spec)
             show = None if options.show is None else {f"rank{r}" for r in options.show}
             router = OutputRouter(sink, [p.key for p in spec.processes], show, tag=world > 1)
@@ -166,7 +174,8 @@ class Session:
 
         return DataPlane.plan(values, options, world, device)
 
-    def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane) -> LaunchSpec:
+    def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane,
+                     cwd: str) -> LaunchSpec:
         common = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -200,7 +209,7 @@ class Session:
                                          read_only_cwd=rank != 0))
         if plane is not None:
             processes.extend(plane.processes(common))
-        return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=os.getcwd(), processes=tuple(processes))
+        return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=cwd, processes=tuple(processes))
 
     def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float):
         """Pump output until every process ended; stop all at the first failure."""
@@ -309,6 +318,27 @@ def _syntax_error(exc: SyntaxError, name_for) -> CellSyntaxError:
         lines[0] = f"  {where}, line {exc.lineno}"
     summary = f"SyntaxError: {exc.msg} (line {exc.lineno})"
     return CellSyntaxError(summary, [failure.RED + summary + failure.RESET] + lines)
+
+
+def working_directory() -> str:
+    """The kernel's working directory, where the ranks start; a one-line LaunchError if it
+    was deleted (``os.getcwd()`` fails) or cannot be entered."""
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        try:  # Linux still knows the path it had
+            path = os.readlink("/proc/self/cwd").removesuffix(" (deleted)")
+        except OSError:
+            path = os.environ.get("PWD", "")
+        again = " (a new directory of that name is not the same one)" if path and os.path.isdir(path) else ""
+        raise LaunchError(
+            f"the notebook's working directory {path} no longer exists{again}; `%cd` to an "
+            "existing directory and run the cell again".replace("  ", " ")) from None
+    if not os.access(cwd, os.X_OK):
+        raise LaunchError(f"the notebook's working directory {cwd} cannot be entered "
+                          "(permission denied); `%cd` to another directory or fix its "
+                          "permissions, and run the cell again")
+    return cwd
 
 
 def _agent_store(world: int):
