@@ -95,11 +95,12 @@ class Session:
             raise _syntax_error(exc, name_for) from None
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
+        rebound = _rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)
         job_id = uuid.uuid4().hex[:12]
         big = BigValues(job_id)  # large arrays travel once, through shared memory
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
-        for line in ([note] if note else []) + big.notes:
+        for line in ([note] if note else []) + rebound + big.notes:
             sink.write("stderr", line + "\n")
 
         try:
@@ -318,6 +319,27 @@ def _syntax_error(exc: SyntaxError, name_for) -> CellSyntaxError:
         lines[0] = f"  {where}, line {exc.lineno}"
     summary = f"SyntaxError: {exc.msg} (line {exc.lineno})"
     return CellSyntaxError(summary, [failure.RED + summary + failure.RESET] + lines)
+
+
+def _rebound_loaders(namespace: dict, values: dict) -> list[str]:
+    """Notes for names the cell (or a notebook function it calls) reads that referred to a
+    registered loader and were assigned again since (see ``registry.rebound``)."""
+    from taas.data import registry
+    from taas.job.package import _referenced_globals
+
+    if not registry._entries:
+        return []
+    registry.remember_names(namespace)
+    names, seen, stack = set(values), set(), list(values.values())
+    while stack:  # globals read by notebook functions and classes, transitively
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for name, ref in _referenced_globals(value).items():
+            names.add(name)
+            stack.append(ref)
+    return registry.rebound(namespace, names)
 
 
 def working_directory() -> str:
