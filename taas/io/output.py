@@ -9,10 +9,12 @@ the magics layer).
   and the text that the newline finally ends is the line.  Its cost is linear in the bytes fed:
   only new data is searched for newlines, a line is kept as a list of chunks, a progress line
   keeps only its latest states, and a line longer than ``max_line`` characters is passed on in
-  pieces of that size (so that 50 MB printed without a newline neither waits for the end of the
-  job nor costs time quadratic in its length).
+  pieces, each as soon as ``max_line`` characters of it have come (so that 50 MB printed
+  without a newline neither waits for the end of the job nor costs time quadratic in its
+  length).
 * :class:`OutputRouter` tags each line with its process (``[rank1] ``, once per line however
-  many pieces it comes in) when there is more than one, shows only the chosen ranks live
+  many pieces it comes in; another process's line in between ends it visually) when there is
+  more than one, shows only the chosen ranks live
   (keeping the others' recent pieces to replay if the job fails), and throttles progress updates.
 """
 
@@ -163,11 +165,16 @@ class OutputRouter:
 
     def _tagged(self, key: str, stream: str, pieces, mid_line: set) -> str:
         """``pieces`` as text, the process's tag at the start of each line (not of a piece that
-        continues one)."""
+        continues one).  A piece of another process's line in between ends the open line
+        (what follows of it is tagged again), so that lines of two processes never mix."""
         prefix = self._prefix(key)
         if not prefix:
             return "".join(pieces)
         out = []
+        others = [m for m in mid_line if m[1] == stream and m[0] != key]
+        if others:  # another process's long line is open: end it here, it goes on tagged again
+            out.append("\n")
+            mid_line.difference_update(others)
         for piece in pieces:
             out.append(piece if (key, stream) in mid_line else prefix + piece)
             if piece.endswith("\n"):
