@@ -211,6 +211,9 @@ def resolve_world(opts: JobOptions, cuda_devices: int) -> tuple[int, str, str, s
 PRAGMA_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+taas(?:[ \t]+(?P<args>.*?))?[ \t]*\r?\n?$")
 CONFIG_LINE_RE = re.compile(r"^#!(?P<name>\S+)\s*$")
 _MAGIC_RE = re.compile(r"^%%taas(?:\s|$)")
+# Cell magics whose body is not Python (a file's text, a shell script...): never searched.
+_FOREIGN_RE = re.compile(r"^%%(?:writefile|file|bash|sh|script|html|HTML|javascript|js|latex|"
+                         r"markdown|svg|perl|ruby|python2|python3|pypy|sql)(?:\s|$)")
 _HAS_CONFIG_RE = re.compile(r"(?:^|\s)--config(?:=|\s|$)")
 
 
@@ -227,7 +230,7 @@ def pragma_transformer(lines: list[str]) -> list[str]:
             continue
         first = i
         break
-    if first is None or _MAGIC_RE.match(lines[first]):
+    if first is None or _MAGIC_RE.match(lines[first]) or _FOREIGN_RE.match(lines[first]):
         return lines
     head = _directive(lines[first])
     for i in _pragma_comment_lines(lines, first + 1 if head else first):

@@ -322,6 +322,9 @@ PASSTHROUGH = [
     "x = 1  # pragma taas --gpus 2\n",  # not a whole-line comment
     "%time x = 1\n# pragma taas rocks\n",
     "x = (1,\n",  # does not tokenize: the cell's own SyntaxError will say why
+    # the body of a cell magic that is not Python is its own text
+    "%%writefile train.py\n#pragma taas --gpus 2\nx = 1\n",
+    "%%bash\necho hi\n#pragma taas --gpus 2\n",
 ]
 
 
