@@ -126,8 +126,14 @@ class Session:
                 results=options.results, results_to_cpu=cuda_devices == 0,
                 loaders=plane.settings if plane is not None else {},
             )
-            with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
-                pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
+                    pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+            except OSError as exc:
+                raise LaunchError(
+                    f"cannot write the job's files in {tempfile.gettempdir()}: "
+                    f"{exc.strerror or exc}; free space there, or set TMPDIR to a writable "
+                    "directory and restart the kernel") from None
             store = _agent_store(world)
             spec = self._launch_spec(job_id, job_dir, world, store.port, plane, cwd)
             handle = self.launcher.start(spec)

@@ -55,3 +55,27 @@ def test_a_working_directory_that_cannot_be_entered(tmp_path, back_home):
             working_directory()
     finally:
         shut.chmod(0o700)
+
+
+class _NoLauncher:
+    def start(self, spec):  # pragma: no cover - the job must fail before it starts
+        raise AssertionError("a job was started")
+
+
+def _no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["tempfile.mkdtemp", "pickle.dump"])
+def test_no_space_for_the_job_files_is_one_line(monkeypatch, where):
+    from taas import session
+    from taas.directive import JobOptions
+
+    module, name = where.split(".")
+    monkeypatch.setattr(getattr(session, module), name, _no_space)
+    with pytest.raises(LaunchError) as info:
+        session.Session(launcher=_NoLauncher()).run_cell("x = 1", {}, JobOptions(gpus=1))
+    message = str(info.value)
+    assert "\n" not in message and "No space left on device" in message and "TMPDIR" in message
