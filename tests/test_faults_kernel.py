@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import textwrap
 
-import psutil
 import pytest
 
 from tests.kernel_driver import Kernel
@@ -82,32 +81,17 @@ def test_a_long_line_without_newline_arrives_live_complete_and_once(kernel, clea
     assert run.stdout.count("[rank0] after") == 1 and run.stdout.count("[rank1] after") == 1
 
 
-def kernel_cpu(kernel) -> float:
-    times = psutil.Process(kernel.pid).cpu_times()
-    return times.user + times.system
-
-
 BAR = "import sys\nfor i in range(1, 10001):\n    sys.stderr.write(f'\\rstep {i}/10000')\n"
 
 
-def test_a_long_progress_bar_ends_with_its_final_state_at_linear_cost(kernel, clean):
-    before = kernel_cpu(kernel)
-    assert kernel.run("%%taas --gpus 1\nimport sys").error is None
-    launch = kernel_cpu(kernel) - before
-    before = kernel_cpu(kernel)
-    itself = kernel.run(BAR + "sys.stderr.write('\\n')")
-    itself_cpu = kernel_cpu(kernel) - before
-    assert itself.error is None
-    before = kernel_cpu(kernel)
+def test_a_long_progress_bar_ends_with_its_final_state(kernel, clean):
+    # Correctness only: that its cost does not grow with its length (the old router re-scanned
+    # every state it had kept at each read) is tests/test_output.py's, on the splitter itself.
     run = kernel.run("%%taas --gpus 1\n" + BAR + "sys.stderr.write('\\n')\nprint('done')")
-    extra_cpu = kernel_cpu(kernel) - before - launch
     assert run.error is None, run.traceback
     texts = [data.get("text/plain", "") for _, data in run.displays]
     assert texts and texts[-1] == "step 10000/10000"
     assert "step" not in run.stderr and run.stdout == "done\n"
-    # The promise: output costs the kernel about what printing it itself costs.  (Keeping every
-    # state of the bar made each update cost more than the last: minutes of CPU here.)
-    assert extra_cpu < 3.0 + 10 * itself_cpu, (extra_cpu, itself_cpu)
 
 
 # -- 7: a deleted working directory is one line --------------------------------------------------
