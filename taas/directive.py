@@ -12,7 +12,9 @@ Pure functions only (no IPython, no processes), so every rule here is a table te
   lines. A cell whose first line is ``#pragma taas ARGS`` (only blank lines and DataSphere
   ``#!NAME`` configuration lines may come before it) becomes ``%%taas ARGS [--config NAME]``,
   with the lines up to and including the pragma blanked, so that line k of the body is still
-  line k of the cell. Any other cell comes back unchanged; a pragma anywhere else is an error.
+  line k of the cell. Any other cell comes back unchanged; a pragma comment anywhere else is an
+  error.  A directive is a whole-line comment ``#pragma taas`` alone or followed by options
+  (``--...``): ``# pragma taas is great`` is prose, and text inside a string is never one.
 
 All bad input raises :class:`taas.errors.DirectiveError` with a one-line message.
 """
@@ -215,6 +217,9 @@ def resolve_world(opts: JobOptions, cuda_devices: int) -> tuple[int, str, str, s
 PRAGMA_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+taas(?:[ \t]+(?P<args>.*?))?[ \t]*\r?\n?$")
 CONFIG_LINE_RE = re.compile(r"^#!(?P<name>\S+)\s*$")
 _MAGIC_RE = re.compile(r"^%%taas(?:\s|$)")
+# Cell magics whose body is not Python (a file's text, a shell script...): never searched.
+_FOREIGN_RE = re.compile(r"^%%(?:writefile|file|bash|sh|script|html|HTML|javascript|js|latex|"
+                         r"markdown|svg|perl|ruby|python2|python3|pypy|sql)(?:\s|$)")
 _HAS_CONFIG_RE = re.compile(r"(?:^|\s)--config(?:=|\s|$)")
 
 
@@ -231,18 +236,17 @@ def pragma_transformer(lines: list[str]) -> list[str]:
             continue
         first = i
         break
-    if first is None or _MAGIC_RE.match(lines[first]):
+    if first is None or _MAGIC_RE.match(lines[first]) or _FOREIGN_RE.match(lines[first]):
         return lines
-    head = PRAGMA_RE.match(lines[first])
-    for i in range(first + 1 if head else first, len(lines)):
-        if PRAGMA_RE.match(lines[i]):
-            if head:
-                raise DirectiveError(
-                    f"'#pragma taas' must be the first line of the cell, once (line {i + 1} "
-                    f"here repeats the one on line {first + 1}); remove the repeat")
+    head = _directive(lines[first])
+    for i in _pragma_comment_lines(lines, first + 1 if head else first):
+        if head:
             raise DirectiveError(
-                f"'#pragma taas' must be the first line of the cell (line {i + 1} here); move it "
-                "to the top (only blank lines and '#!' configuration lines may come before it)")
+                f"'#pragma taas' must be the first line of the cell, once (line {i + 1} "
+                f"here repeats the one on line {first + 1}); remove the repeat")
+        raise DirectiveError(
+            f"'#pragma taas' must be the first line of the cell (line {i + 1} here); move it "
+            "to the top (only blank lines and '#!' configuration lines may come before it)")
     if not head:
         return lines
     args = head.group("args") or ""
@@ -250,3 +254,38 @@ def pragma_transformer(lines: list[str]) -> list[str]:
         args = f"{args} --config {shlex.quote(config)}".strip()
     magic = f"%%taas {args}".rstrip() + "\n"
     return [magic] + ["\n"] * first + list(lines[first + 1:])
+
+
+def _pragma_comment_lines(lines: list[str], start: int):
+    """Indexes (from ``start``) of the lines that are a misplaced directive: a comment that is
+    the whole line (not text inside a string) and reads as a directive (see :func:`_directive`).
+
+    The cell is tokenized as Python; IPython syntax (``%time``, ``!ls``) tokenizes too.  Where
+    tokenizing stops (an unclosed bracket or string), the rest is not searched: the cell's own
+    SyntaxError will say what is wrong with it."""
+    import io
+    import tokenize
+
+    if not any(_directive(line) for line in lines[start:]):  # the common case, cheaply
+        return
+    readline = io.StringIO("".join(lines)).readline
+    try:
+        for token in tokenize.generate_tokens(readline):
+            row, col = token.start
+            i = row - 1
+            if token.type != tokenize.COMMENT or i < start or token.line[:col].strip():
+                continue
+            if _directive(token.string):
+                yield i
+    except (tokenize.TokenError, SyntaxError):
+        return
+
+
+def _directive(line: str):
+    """The PRAGMA_RE match of ``line`` if it is a directive: ``#pragma taas`` alone or followed
+    by options (its first word starts with '-'); words that are not options make it prose."""
+    head = PRAGMA_RE.match(line)
+    if head is None:
+        return None
+    args = (head.group("args") or "").strip()
+    return head if not args or args.startswith("-") else None

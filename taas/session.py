@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from taas import directive
-from taas.errors import CellSyntaxError, JobFailed
+from taas.errors import CellSyntaxError, JobFailed, LaunchError
 from taas.io import failure
 from taas.io.output import LineSplitter, OutputRouter, Sink, TerminalSink
 from taas.job import analysis, crossing, merge, package
@@ -86,6 +86,7 @@ class Session:
                  filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
                  hidden: frozenset = frozenset(), name_for=None) -> CellResult:
         sink = sink or TerminalSink()
+        cwd = working_directory()  # before anything else: even importing torch needs it
         cuda_devices = cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices)
         try:
@@ -94,19 +95,27 @@ class Session:
             raise _syntax_error(exc, name_for) from None
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
+        rebound = _rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)
         job_id = uuid.uuid4().hex[:12]
         big = BigValues(job_id)  # large arrays travel once, through shared memory
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
-        for line in ([note] if note else []) + big.notes:
+        for line in ([note] if note else []) + rebound + big.notes:
             sink.write("stderr", line + "\n")
 
-        job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
+        try:
+            job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
+        except OSError as exc:
+            big.unlink(wait=False)
+            raise LaunchError(
+                f"cannot create the job's directory in {tempfile.gettempdir()}: "
+                f"{exc.strerror or exc}; free space there, or set TMPDIR to a writable "
+                "directory and restart the kernel") from None
         stats = self.last = JobStats(job_id, world, device, backend,
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],
                                      config=options.config)
         store = handle = None
-        layers = _Layers(job_id, job_dir, options.storage, world > 1 or plane is not None)
+        layers = _Layers(job_id, job_dir, cwd, options.storage, world > 1 or plane is not None)
         started = time.monotonic()
         try:
             if plane is not None:
@@ -118,10 +127,16 @@ class Session:
                 results=options.results, results_to_cpu=cuda_devices == 0,
                 loaders=plane.settings if plane is not None else {},
             )
-            with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
-                pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
+                    pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+            except OSError as exc:
+                raise LaunchError(
+                    f"cannot write the job's files in {tempfile.gettempdir()}: "
+                    f"{exc.strerror or exc}; free space there, or set TMPDIR to a writable "
+                    "directory and restart the kernel") from None
             store = _agent_store(world)
-            spec = self._launch_spec(job_id, job_dir, world, store.port, plane, options.storage)
+            spec = self._launch_spec(job_id, job_dir, world, store.port, plane, cwd, options.storage)
             layers.mark()
             handle = self.launcher.start(spec)
             show = None if options.show is None else {f"rank{r}" for r in options.show}
@@ -171,7 +186,7 @@ class Session:
         return DataPlane.plan(values, options, world, device)
 
     def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane,
-                     storage: str = "layer") -> LaunchSpec:
+                     cwd: str, storage: str = "layer") -> LaunchSpec:
         common = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -205,7 +220,7 @@ class Session:
                                          storage="shared" if rank == 0 else storage))
         if plane is not None:
             processes.extend(plane.processes(common, storage))
-        return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=os.getcwd(), processes=tuple(processes))
+        return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=cwd, processes=tuple(processes))
 
     def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float):
         """Pump output until every process ended; stop all at the first failure."""
@@ -227,7 +242,7 @@ class Session:
                 elif event.stream != "events":
                     router.feed(event.key, event.stream, event.data)
                 else:
-                    lines, _ = event_lines.setdefault(event.key, LineSplitter()).feed(event.data)
+                    lines, _ = event_lines.setdefault(event.key, LineSplitter(max_line=None)).feed(event.data)
                     for line in lines:
                         self._on_event(event.key, line, sink, plane)
 
@@ -298,10 +313,9 @@ class _Layers:
     """The ``--storage layer`` bookkeeping of one job: the working directory's clock before the
     launch, and the merge of every process's layer once all of them have exited."""
 
-    def __init__(self, job_id: str, job_dir: str, storage: str, others: bool):
-        self.job_id, self.job_dir = job_id, job_dir
+    def __init__(self, job_id: str, job_dir: str, cwd: str, storage: str, others: bool):
+        self.job_id, self.job_dir, self.cwd = job_id, job_dir, cwd
         self.active = storage == "layer" and others  # a lone rank 0 has no layer
-        self.cwd = os.getcwd()
         self.since_ns = 0
         self.done = False
 
@@ -369,6 +383,48 @@ def _syntax_error(exc: SyntaxError, name_for) -> CellSyntaxError:
         lines[0] = f"  {where}, line {exc.lineno}"
     summary = f"SyntaxError: {exc.msg} (line {exc.lineno})"
     return CellSyntaxError(summary, [failure.RED + summary + failure.RESET] + lines)
+
+
+def _rebound_loaders(namespace: dict, values: dict) -> list[str]:
+    """Notes for names the cell (or a notebook function it calls) reads that referred to a
+    registered loader and were assigned again since (see ``registry.rebound``)."""
+    from taas.data import registry
+    from taas.job.package import _referenced_globals
+
+    if not registry._entries:
+        return []
+    registry.remember_names(namespace)
+    names, seen, stack = set(values), set(), list(values.values())
+    while stack:  # globals read by notebook functions and classes, transitively
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for name, ref in _referenced_globals(value).items():
+            names.add(name)
+            stack.append(ref)
+    return registry.rebound(namespace, names)
+
+
+def working_directory() -> str:
+    """The kernel's working directory, where the ranks start; a one-line LaunchError if it
+    was deleted (``os.getcwd()`` fails) or cannot be entered."""
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        try:  # Linux still knows the path it had
+            path = os.readlink("/proc/self/cwd").removesuffix(" (deleted)")
+        except OSError:
+            path = os.environ.get("PWD", "")
+        again = " (a new directory of that name is not the same one)" if path and os.path.isdir(path) else ""
+        raise LaunchError(
+            f"the notebook's working directory {path} no longer exists{again}; `%cd` to an "
+            "existing directory and run the cell again".replace("  ", " ")) from None
+    if not os.access(cwd, os.X_OK):
+        raise LaunchError(f"the notebook's working directory {cwd} cannot be entered "
+                          "(permission denied); `%cd` to another directory or fix its "
+                          "permissions, and run the cell again")
+    return cwd
 
 
 def _agent_store(world: int):

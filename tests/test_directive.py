@@ -315,6 +315,21 @@ PASSTHROUGH = [
     "#pragma once\nx = 1\n",
     "#pragma taasx --gpus 2\nx = 1\n",
     "# taas --gpus 2\nx = 1\n",
+    # text inside a string is not a comment, so never a directive
+    's = """\n#pragma taas --gpus 2\n"""\n',
+    "s = '''\n  # pragma taas\n'''\nx = 1\n",
+    'x = 1\ns = """\n#pragma taas --gpus 2\n"""\n',
+    'f("""a\n#pragma taas\nb""", 2)\n',
+    # prose that starts like a directive is a comment
+    "x = 1\n# pragma taas is great\n",
+    "# pragma taas is great\nx = 1\n",
+    "#pragma taas gpus two\nx = 1\n",
+    "x = 1  # pragma taas --gpus 2\n",  # not a whole-line comment
+    "%time x = 1\n# pragma taas rocks\n",
+    "x = (1,\n",  # does not tokenize: the cell's own SyntaxError will say why
+    # the body of a cell magic that is not Python is its own text
+    "%%writefile train.py\n#pragma taas --gpus 2\nx = 1\n",
+    "%%bash\necho hi\n#pragma taas --gpus 2\n",
 ]
 
 
@@ -333,6 +348,10 @@ MISPLACED = [
     ("#pragma taas --gpus 2\nx = 1\n#pragma taas --gpus 4\n", 3),
     ("x = 1\ny = 2\n    # pragma taas\n", 3),
     ("#!g2.8\nx = 1\n#pragma taas\n", 3),
+    ('s = """\n#pragma taas\n"""\n#pragma taas --gpus 2\n', 4),  # after a string: a comment
+    ("x = 1\n# pragma taas --gpus 2 --unknown\n", 2),  # options, even wrong ones
+    ("%time x = 1\n#pragma taas --gpus 2\n", 2),
+    ("def f():\n    # pragma taas\n    return 1\n", 2),
 ]
 
 

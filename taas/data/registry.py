@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from taas.errors import RegistrationError
@@ -31,6 +31,9 @@ class Entry:
     loader: object
     prefetch: int | None = None  # units ready before the ranks start (None: automatic)
     buffer_mb: float | None = None  # bytes in flight to the ranks (None: automatic)
+    # Notebook names that referred to the loader -> id of the object last noted as having
+    # replaced it there (None: not replaced, or not noted yet).
+    names: dict = field(default_factory=dict)
 
 
 _entries: dict[int, Entry] = {}  # id(loader) -> Entry; insertion order = registration order
@@ -63,6 +66,7 @@ def register(loader, *, prefetch: int | None = None, buffer_mb: float | None = N
         raise RegistrationError(f"buffer_mb must be a positive number, got {buffer_mb!r}")
     _check_round_trip(loader)
     _entries[id(loader)] = Entry(loader, prefetch, buffer_mb)
+    remember_names(_user_namespace() or {})
 
 
 def unregister(loader) -> None:
@@ -79,6 +83,38 @@ def entry(loader) -> Entry | None:
     """The registration of ``loader`` (by identity), or None."""
     found = _entries.get(id(loader))
     return found if found is not None and found.loader is loader else None
+
+
+def remember_names(namespace: dict) -> None:
+    """Note which names of ``namespace`` refer to registered loaders (see :func:`rebound`)."""
+    for name, value in namespace.items():
+        if not name.startswith("_"):
+            found = entry(value) if _entries else None
+            if found is not None:
+                found.names[name] = None
+
+
+def rebound(namespace: dict, names) -> list[str]:
+    """One-line notes for the ``names`` (that a cell reads) which referred to a registered
+    loader but now hold another, unregistered object: re-defined after ``taas.register``, the
+    ranks get the new object as a plain value.  Each replacement is noted once."""
+    notes = []
+    for name in sorted(names):
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        for item in _entries.values():
+            if name not in item.names or item.loader is value:
+                continue
+            if entry(value) is not None or item.names[name] == id(value):
+                continue  # the name now holds another registered loader, or this was noted
+            item.names[name] = id(value)
+            notes.append(
+                f"taas: `{name}` is no longer the loader registered with taas.register (it was "
+                f"assigned again): the ranks get the new {_type_name(value)} as a plain value; "
+                f"call taas.register({name}) to serve it through the data plane")
+            break
+    return notes
 
 
 def registered() -> list[str]:

@@ -1,0 +1,81 @@
+"""The kernel's working directory is checked before a job starts (taas.session.working_directory)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from taas.errors import LaunchError
+from taas.session import working_directory
+
+
+@pytest.fixture
+def back_home():
+    home = os.getcwd()
+    yield
+    os.chdir(home)
+
+
+def test_the_working_directory_is_returned(tmp_path, back_home):
+    os.chdir(tmp_path)
+    assert working_directory() == str(tmp_path)
+
+
+def test_a_deleted_working_directory_is_one_line(tmp_path, back_home):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    os.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(LaunchError) as info:
+        working_directory()
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"working directory {gone} no longer exists" in message and "%cd" in message
+
+
+def test_a_working_directory_made_again_is_not_the_same(tmp_path, back_home):
+    again = tmp_path / "again"
+    again.mkdir()
+    os.chdir(again)
+    again.rmdir()
+    again.mkdir()
+    with pytest.raises(LaunchError, match="not the same one"):
+        working_directory()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root enters any directory")
+def test_a_working_directory_that_cannot_be_entered(tmp_path, back_home):
+    shut = tmp_path / "shut"
+    shut.mkdir()
+    os.chdir(shut)
+    shut.chmod(0o600)
+    try:
+        with pytest.raises(LaunchError, match="cannot be entered"):
+            working_directory()
+    finally:
+        shut.chmod(0o700)
+
+
+class _NoLauncher:
+    def start(self, spec):  # pragma: no cover - the job must fail before it starts
+        raise AssertionError("a job was started")
+
+
+def _no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["tempfile.mkdtemp", "pickle.dump"])
+def test_no_space_for_the_job_files_is_one_line(monkeypatch, where):
+    from taas import session
+    from taas.directive import JobOptions
+
+    module, name = where.split(".")
+    monkeypatch.setattr(getattr(session, module), name, _no_space)
+    with pytest.raises(LaunchError) as info:
+        session.Session(launcher=_NoLauncher()).run_cell("x = 1", {}, JobOptions(gpus=1))
+    message = str(info.value)
+    assert "\n" not in message and "No space left on device" in message and "TMPDIR" in message
