@@ -138,7 +138,7 @@ class Starter:
 
     # -- messages --------------------------------------------------------------------------
     def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list) -> None:
-        _, fds, _, _ = socket.recv_fds(self.sock, 1, 3 * len(specs))
+        fds = _recv_fds(self.sock, 3 * len(specs))
         job = self.jobs[job_id] = _Job(job_id, job_dir)
         pids: dict[str, int] = {}
         starter = os.getpid()
@@ -278,6 +278,24 @@ def _unlink_shared_memory(job_id: str) -> None:
         pass
 
 
+# How many fds one SCM_RIGHTS message may carry (Linux: SCM_MAX_FD = 253).
+FDS_PER_MESSAGE = 240
+
+
+def _recv_fds(sock: socket.socket, count: int) -> list[int]:
+    """``count`` fds sent by :func:`taas.launch.local.send_fds` in batches of
+    FDS_PER_MESSAGE, one marker byte each."""
+    fds: list[int] = []
+    while len(fds) < count:
+        data, batch, _, _ = socket.recv_fds(sock, 1, min(FDS_PER_MESSAGE, count - len(fds)))
+        if not data:
+            for fd in fds + list(batch):
+                os.close(fd)
+            raise EOFError("the kernel closed the channel")
+        fds.extend(batch)
+    return fds
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -371,9 +389,32 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
 
 
 def main() -> None:
-    fd = int(sys.argv[1])
+    """``python -m taas.launch.starter FD KERNEL_PID``: the guard, which forks the start process.
+
+    The process the kernel starts is a small *guard* that never imports torch (so it is never
+    what the OOM killer picks).  It is a child subreaper and the parent of the start process;
+    when the start process dies for any reason, or the kernel dies (PR_SET_PDEATHSIG, asked
+    before anything slow), the guard kills every process still below it -- ranks, and daemons
+    that escaped from them and re-parented to it -- and exits.  The start process itself dies
+    with the guard (PR_SET_PDEATHSIG, asked before it imports torch)."""
+    fd, kernel = int(sys.argv[1]), int(sys.argv[2])
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # first: the kernel may die at any moment
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
+    if os.getppid() != kernel:  # it died before we asked
+        os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the kernel's
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    guard = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(fd)  # the kernel's channel is the start process's alone (EOF when it goes)
+        _guard(pid)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGCHLD})
+    if os.getppid() != guard:
+        os._exit(0)
+    _set_name("taas-start")
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of a job come to us first (killed at job end)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -382,10 +423,71 @@ def main() -> None:
     # Everything imported so far lives as long as we do: keep the garbage collector of each
     # child from walking (and so copying) those pages.
     gc.freeze()
+    _raise_fd_limit()
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     conn.send(("ready", os.getpid()))
     Starter(conn, sock).serve()
+
+
+def _guard(starter: int) -> None:
+    """The guard's life: wait until the start process exits or the kernel dies (SIGTERM),
+    then kill everything below us and exit.  SIGTERM and SIGCHLD are blocked: sigwait."""
+    _set_name("taas-guard")
+    while True:
+        if signal.sigwait({signal.SIGTERM, signal.SIGCHLD}) == signal.SIGTERM:
+            break
+        if _reaped(starter):
+            break
+    _kill_all_children()
+    os._exit(0)
+
+
+def _reaped(pid: int) -> bool:
+    """Reap every exited child; whether ``pid`` was one of them."""
+    found = False
+    while True:
+        try:
+            done, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return found
+        if done == 0:
+            return found
+        found = found or done == pid
+
+
+def _kill_all_children() -> None:
+    """SIGKILL every child (and its process group) until none is left.  We are a subreaper,
+    so whatever still runs below us re-parents to us as its parents die; once we have no
+    child at all, nothing is left below us."""
+    import psutil
+
+    while True:
+        for child in psutil.Process().children():
+            _killpg(child.pid, signal.SIGKILL)
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            pass
+
+
+def _raise_fd_limit() -> None:
+    """Each process of a job holds three pipe ends, and a gloo rank a socket per peer: let
+    the start process (and so every child) open as many files as the hard limit allows."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 if __name__ == "__main__":
