@@ -116,6 +116,9 @@ class Session:
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
         plane = self._data_plane(values, options, world, device)
+        if hasattr(self.launcher, "check"):  # before anything is written or started
+            workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
+            self.launcher.check(world + workers)
         job_id = uuid.uuid4().hex[:12]
         big = BigValues(job_id)  # large arrays travel once, through shared memory
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)

@@ -119,6 +119,10 @@ class LocalLauncher(Launcher):
         self._ready = False
 
     # -- jobs ----------------------------------------------------------------------------
+    def check(self, processes: int) -> None:
+        """Raise LaunchError (one line) if a job of ``processes`` processes cannot start here."""
+        check_fd_limit(processes)
+
     def start(self, spec: LaunchSpec) -> "LocalJob":
         check_fd_limit(len(spec.processes))
         try:
@@ -162,6 +166,14 @@ class LocalLauncher(Launcher):
         return job
 
 
+def _fds_needed(processes: int) -> int:
+    """Extra open files the kernel holds for a job of ``processes`` processes, at the peak:
+    while starting, every read end plus one batch of write ends; while running, the read ends
+    and each process's store connection."""
+    streams = len(_STREAMS) * processes
+    return max(streams + min(streams, FDS_PER_MESSAGE), _FDS_PER_PROCESS * processes)
+
+
 def check_fd_limit(processes: int) -> None:
     """Refuse, in one line, a job whose pipes would not fit under the kernel's open-file limit
     (raising the soft limit towards the hard one first, as far as the job needs)."""
@@ -172,7 +184,7 @@ def check_fd_limit(processes: int) -> None:
         open_now = len(os.listdir("/proc/self/fd"))
     except OSError:
         return
-    need = open_now + _FDS_PER_PROCESS * processes + 3 * FDS_PER_MESSAGE + _FD_MARGIN
+    need = open_now + _fds_needed(processes) + _FD_MARGIN
     if need <= soft:
         return
     if hard == resource.RLIM_INFINITY or need <= hard:
@@ -181,11 +193,14 @@ def check_fd_limit(processes: int) -> None:
             return
         except (ValueError, OSError):
             pass
-    fit = max(0, (max(soft, hard) - open_now - 3 * FDS_PER_MESSAGE - _FD_MARGIN) // _FDS_PER_PROCESS)
+    limit = max(soft, hard)
+    fit = processes
+    while fit > 0 and open_now + _fds_needed(fit) + _FD_MARGIN > limit:
+        fit -= 1
     raise LaunchError(
         f"a job of {processes} processes needs about {need} open files in the kernel, but its "
-        f"limit is {max(soft, hard)}: use at most {fit} processes (ranks plus loader workers), or "
-        f"raise the limit (ulimit -n) before starting Jupyter")
+        f"limit is {limit}: use at most {fit} processes (ranks plus loader workers), or raise "
+        "the limit (ulimit -n) before starting Jupyter")
 
 
 def _end_guard(proc: subprocess.Popen) -> None:

@@ -29,6 +29,12 @@ Each child is the leader of its own process group, gets SIGKILL if the starter d
 so orphans of a job re-parent here and are killed when the job ends.  The starter exits when
 the kernel closes its end of the socket (kernel exit, crash, kill or restart), ending every
 running job first.
+
+Above the starter sits a small *guard* (see :func:`main`): the process the kernel starts.  It
+never imports torch, dies with the kernel, and when the starter dies -- even by SIGKILL, as
+the OOM killer would -- it kills whatever escaped from the jobs and re-parented to it.
+
+Fds travel in batches of at most FDS_PER_MESSAGE (one SCM_RIGHTS message carries 253 at most).
 """
 
 from __future__ import annotations
