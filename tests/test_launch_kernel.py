@@ -120,6 +120,24 @@ def test_daemons_started_by_a_rank_end_with_the_job(kernel, clean):
     assert wait_until_gone(daemons, timeout=5.0) == []
 
 
+def test_a_daemon_below_an_escaped_process_ends_with_the_job(kernel, workdir, clean):
+    # The escaped bash is killed when the job ends; its own child, in yet another session,
+    # re-parents to the start process only then, and must not outlive the job either.
+    (workdir / "grandchild.pid").unlink(missing_ok=True)
+    run = kernel.run(cell("""
+        #pragma taas --gpus 1
+        import os, subprocess, time
+        subprocess.Popen(["setsid", "bash", "-c", "setsid sleep 1000 </dev/null >/dev/null 2>&1 & "
+                          "echo $! > grandchild.tmp; mv grandchild.tmp grandchild.pid; sleep 1000"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not os.path.exists("grandchild.pid"):
+            time.sleep(0.05)
+        """))
+    assert run.error is None, run.traceback
+    grandchild = int((workdir / "grandchild.pid").read_text())
+    assert wait_until_gone([grandchild], timeout=5.0) == []
+
+
 def test_a_daemon_dies_when_the_start_process_is_killed(kernel, workdir, clean):
     (workdir / "daemon.pid").unlink(missing_ok=True)
     msg_id = kernel.execute(cell("""
@@ -249,30 +267,28 @@ def test_a_second_job_while_one_runs_is_refused_at_once(kernel, workdir, clean):
 
 
 # -- 10. interrupts ---------------------------------------------------------------------------
-def _maps(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return f.read()
-    except OSError:
-        return ""
+_IMPORT_MARKER = cell("""
+    import sys
+    def _mark_import(event, args, _fired=set()):
+        if event == "import" and args[0] == {module!r} and not _fired:
+            _fired.add(1)
+            open({marker!r}, "w").close()
+    sys.addaudithook(_mark_import)
+    """)
 
 
-def _is_input_of(msg: dict, msg_id: str) -> bool:
-    """The kernel publishes execute_input just before it runs the cell's code."""
-    return msg["msg_type"] == "execute_input" and msg["parent_header"].get("msg_id") == msg_id
-
-
-@pytest.mark.parametrize("moment", ["cell started", "libtorch loaded"])
-def test_interrupting_the_first_cell_while_torch_imports_leaves_a_usable_kernel(workdir, moment):
+@pytest.mark.parametrize("module", ["torch._C", "torch.fx", "torch.distributed"])
+def test_interrupting_the_first_cell_while_torch_imports_leaves_a_usable_kernel(workdir, module):
+    """The interrupt lands while the kernel's first `import torch` is under way: at the moment
+    ``module`` starts importing (an audit hook in the kernel tells us)."""
     k = Kernel(str(workdir))
     try:
-        assert "libtorch" not in _maps(k.pid)
+        marker = workdir / f"importing-{module}"
+        marker.unlink(missing_ok=True)
+        run = k.run(_IMPORT_MARKER.format(module=module, marker=str(marker)))
+        assert run.error is None, run.traceback
         msg_id = k.execute("#pragma taas --gpus 1\nx = 1")
-        if moment == "libtorch loaded":
-            wait_for(lambda: "libtorch" in _maps(k.pid), what="torch being imported")
-        else:
-            wait_for(lambda: _is_input_of(k.kc.get_iopub_msg(timeout=5), msg_id),
-                     what="the cell starting")
+        wait_for(marker.exists, what=f"{module} being imported")
         k.km.interrupt_kernel()
         k.reply(msg_id)
         # After an error the kernel aborts requests that arrive within a short while: those

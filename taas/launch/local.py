@@ -57,14 +57,16 @@ class LocalLauncher(Launcher):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         try:
-            self._proc = _spawner.submit(
-                subprocess.Popen,
-                [sys.executable, "-m", "taas.launch.starter", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,  # the kernel's interrupt (SIGINT to its group) is its own
-            ).result()
+            with deferred_interrupt():  # never a started guard we do not know of
+                self._proc = _spawner.submit(
+                    subprocess.Popen,
+                    [sys.executable, "-m", "taas.launch.starter", str(theirs.fileno()),
+                     str(os.getpid())],
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # the kernel's interrupt (SIGINT to its group) is its own
+                ).result()
         finally:
             theirs.close()
         self._sock = ours

@@ -95,11 +95,19 @@ class Starter:
         os.set_blocking(wakeup_w, False)
         signal.set_wakeup_fd(wakeup_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        # The guard's SIGTERM (kernel gone or closing us): shut down cleanly, at once.
+        self.terminated = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         self.private = (conn.fileno(), sock.fileno(), self.wakeup_r, wakeup_w)
+
+    def _on_sigterm(self, *_) -> None:
+        self.terminated = True
 
     # -- main loop -------------------------------------------------------------------------
     def serve(self) -> None:
         while True:
+            if self.terminated:
+                return self.shutdown()
             busy = any(job.kill_at is not None for job in self.jobs.values())
             ready = wait([self.conn, self.wakeup_r], timeout=0.05 if busy else 0.5)
             if self.wakeup_r in ready:
@@ -116,6 +124,8 @@ class Starter:
                 return self.shutdown()
             if not any(job.live for job in self.jobs.values()):
                 self._fork_ahead()  # between jobs: never compete with running ranks
+            if not self.jobs and set(_child_pids()) - set(self.ready):
+                self._kill_orphans()  # something of a finished job re-parented to us late
 
     def shutdown(self) -> None:
         for pid, channel in self.ready.items():
@@ -257,22 +267,53 @@ class Starter:
             _killpg(pid, sig)
 
     def _kill_orphans(self) -> None:
-        """Kill every child that is not a live process of a job: orphans of finished ranks
-        (a DataLoader worker that outlived its rank, a process that left its group)."""
-        live = {pid for job in self.jobs.values() for pid in job.live} | set(self.ready)
-        try:
-            import psutil
-
-            children = psutil.Process().children()
-        except Exception:  # pragma: no cover - psutil is a dependency
-            return
-        for child in children:
-            if child.pid not in live:
-                _killpg(child.pid, signal.SIGKILL)
+        """Kill every child that is not a live process of a job, with everything below it:
+        orphans of finished ranks (a DataLoader worker that outlived its rank, a daemon that
+        left its group with setsid or a double fork).  Killing one can re-parent its own
+        children to us (we are a subreaper): repeat until no such child is left."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            live = {pid for job in self.jobs.values() for pid in job.live} | set(self.ready)
+            orphans = [pid for pid in _child_pids() if pid not in live]
+            if not orphans or time.monotonic() > deadline:
+                return
+            for pid in orphans:
+                for victim in [pid, *_descendant_pids(pid)]:
+                    _killpg(victim, signal.SIGKILL)
+                    _kill(victim, signal.SIGKILL)
+            time.sleep(0.005)
+            for pid in orphans:
                 try:
-                    child.kill()
-                except Exception:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
                     pass
+
+
+def _child_pids() -> list[int]:
+    """Our children (the start process is single-threaded: one task)."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:  # pragma: no cover - kernels without CONFIG_PROC_CHILDREN
+        import psutil
+
+        return [child.pid for child in psutil.Process().children()]
+
+
+def _descendant_pids(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _unlink_shared_memory(job_id: str) -> None:
@@ -438,13 +479,24 @@ def main() -> None:
 
 def _guard(starter: int) -> None:
     """The guard's life: wait until the start process exits or the kernel dies (SIGTERM),
-    then kill everything below us and exit.  SIGTERM and SIGCHLD are blocked: sigwait."""
+    then kill everything below us and exit.  SIGTERM and SIGCHLD are blocked: sigwait.
+
+    On SIGTERM the start process gets SIGTERM first and a moment to end its jobs and remove
+    their files (it dies at once if it is still importing torch)."""
     _set_name("taas-guard")
     while True:
         if signal.sigwait({signal.SIGTERM, signal.SIGCHLD}) == signal.SIGTERM:
             break
-        if _reaped(starter):
-            break
+        if _reaped(starter):  # it died (SIGKILL, OOM killer, or it ended): clean up after it
+            _kill_all_children()
+            os._exit(0)
+    try:
+        os.kill(starter, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 3.0
+    while not _reaped(starter) and time.monotonic() < deadline:
+        signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - time.monotonic()))
     _kill_all_children()
     os._exit(0)
 
