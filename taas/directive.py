@@ -47,8 +47,14 @@ class JobOptions:
 
 _SEE_HELP = "see %%taas? for the options"
 
+# Upper bounds checked before anything starts: one process per rank (and per loader worker)
+# on this machine, each costing the kernel three pipes.  Far above what one machine runs
+# usefully, low enough that a typo (--gpus 10**20) is a clear error, not a broken job.
+MAX_RANKS = 1024
+MAX_LOADER_WORKERS = 256
 
-def _positive_int(flag):
+
+def _positive_int(flag, limit=None, what=""):
     def convert(text):
         try:
             value = int(text)
@@ -56,6 +62,11 @@ def _positive_int(flag):
             value = 0
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}")
+        if limit is not None and value > limit:
+            shown = text if len(text) <= 20 else text[:17] + "..."
+            raise argparse.ArgumentTypeError(
+                f"{flag} {shown} is more than taas runs ({limit} {what} at most); "
+                f"use {flag} {limit} or fewer")
         return value
     return convert
 
@@ -108,10 +119,11 @@ _PARSER = _Parser(
     allow_abbrev=False,
     exit_on_error=False,
 )
-_PARSER.add_argument("--gpus", metavar="N", type=_positive_int("--gpus"),
+_PARSER.add_argument("--gpus", metavar="N", type=_positive_int("--gpus", MAX_RANKS, "ranks"),
                      help="number of ranks, one GPU each (default: all visible GPUs; "
                      "1 CPU rank if there is none)")
-_PARSER.add_argument("--cpus", metavar="M", type=_positive_int("--cpus"), default=1,
+_PARSER.add_argument("--cpus", metavar="M", default=1,
+                     type=_positive_int("--cpus", MAX_LOADER_WORKERS, "loader workers per loader"),
                      help="loader worker processes per registered loader (default: 1)")
 _PARSER.add_argument("--units", metavar="K", type=_positive_int("--units"),
                      help="units each registered loader must produce (default: one pass)")

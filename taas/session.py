@@ -18,6 +18,7 @@ import pickle
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from taas.job import analysis, crossing, merge, package
 from taas.job.bigvalues import BigValues
 from taas.launch.api import LaunchSpec, ProcessExit, ProcessSpec
 from taas.launch.local import LocalLauncher
+from taas.shield import import_shielded
 from taas.worker import comm, report
 
 STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when a job is stopped
@@ -59,6 +61,8 @@ class JobStats:
 
 
 def cuda_device_count() -> int:
+    # An interrupt must not cut the kernel's first `import torch` in half (see taas.shield).
+    import_shielded("torch", "torch.distributed")
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -73,6 +77,10 @@ class Session:
     def __init__(self, launcher=None):
         self.launcher = launcher or LocalLauncher()
         self.last: JobStats | None = None
+        # One job at a time per kernel (a cell may run one from a thread): the launcher's
+        # channel to the start process is not shared.
+        self._running = threading.Lock()
+        self._running_since: str | None = None
 
     def warm(self) -> None:
         if hasattr(self.launcher, "warm"):
@@ -82,9 +90,22 @@ class Session:
         self.launcher.shutdown()
 
     # ------------------------------------------------------------------------------------
-    def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
-                 filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
-                 hidden: frozenset = frozenset(), name_for=None) -> CellResult:
+    def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, **kwargs) -> CellResult:
+        """Run ``source`` as a job (see :meth:`_run_cell`); a second job while one runs in this
+        kernel is refused at once."""
+        if not self._running.acquire(blocking=False):
+            raise LaunchError(
+                f"a taas job is already running in this kernel (started at {self._running_since}); "
+                "wait for it to finish or interrupt it, then run this cell again")
+        try:
+            self._running_since = time.strftime("%H:%M:%S")
+            return self._run_cell(source, namespace, options, **kwargs)
+        finally:
+            self._running.release()
+
+    def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
+                  filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
+                  hidden: frozenset = frozenset(), name_for=None) -> CellResult:
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
         cuda_devices = cuda_device_count()
@@ -97,6 +118,9 @@ class Session:
         values = package.select(cell.free, namespace, hidden)
         rebound = _rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)
+        if hasattr(self.launcher, "check"):  # before anything is written or started
+            workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
+            self.launcher.check(world + workers)
         job_id = uuid.uuid4().hex[:12]
         big = BigValues(job_id)  # large arrays travel once, through shared memory
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
@@ -428,11 +452,26 @@ def working_directory() -> str:
 
 
 def _agent_store(world: int):
-    """The job's rendezvous store, hosted here on a free loopback port (as torchrun's agent
-    does): port 0 lets the OS pick, so two kernels never race for a port."""
+    """The job's rendezvous store, hosted here (as torchrun's agent does).
+
+    TCPStore's own server listens on every interface (``::``); so we create the listening
+    socket ourselves, on 127.0.0.1 only, port 0 (the OS picks: two kernels never race for a
+    port), and hand it over as ``master_listen_fd``; from then on the store owns it (and
+    closes it when the store is freed)."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(min(max(world, 128), socket.SOMAXCONN))
+        port = listener.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
 
 
 def _read(path: str) -> str:

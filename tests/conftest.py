@@ -10,8 +10,9 @@ from tests.kernel_driver import (cmdline, listening_ports, process_name, shm_ent
 
 @pytest.fixture
 def clean(kernel):
-    """After the test's job: no process but the warm start process (and the idle children it
-    forked ahead for the next job), no leaked /dev/shm entry, no new listening port.
+    """After the test's job: no process but the warm start process, its guard (the kernel's
+    child, see taas.launch.starter.main) and the idle children it forked ahead for the next
+    job; no leaked /dev/shm entry, no new listening port.
 
     Uses the ``kernel`` fixture of the requesting test module."""
     shm_before = shm_entries()
@@ -21,11 +22,14 @@ def clean(kernel):
     time.sleep(0.2)
     extra = [p for p in kernel.descendants() if "taas.launch.starter" not in " ".join(cmdline(p))]
     assert wait_until_gone([p.pid for p in extra]) == [], [cmdline(p) for p in extra]
-    starters = [p for p in kernel.descendants() if p not in extra and p.ppid() == kernel.pid]
-    assert len(starters) <= 1
-    for starter in starters:
-        kept = [c for c in starter.children() if process_name(c) != "taas-ready"]
-        assert wait_until_gone([c.pid for c in kept]) == [], [process_name(c) for c in kept]
+    guards = [p for p in kernel.descendants() if p not in extra and p.ppid() == kernel.pid]
+    assert len(guards) <= 1
+    for guard in guards:
+        starters = guard.children()
+        assert [process_name(s) for s in starters] in ([], ["taas-start"])
+        for starter in starters:
+            kept = [c for c in starter.children() if process_name(c) != "taas-ready"]
+            assert wait_until_gone([c.pid for c in kept]) == [], [process_name(c) for c in kept]
     assert unmapped_shm(shm_entries() - shm_before) == set()
     pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
     assert listening_ports(pids) - ports_before == set()

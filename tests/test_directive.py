@@ -119,6 +119,17 @@ def test_bad_value_message_shape():
         parse_options("--gpus 0")
 
 
+@pytest.mark.parametrize("argline, message", [
+    ("--gpus 100000000000000000000", r"^--gpus 10000000000000000\.\.\. is more than taas runs \(1024 ranks at most\); use --gpus 1024 or fewer"),
+    ("--gpus 1025", r"^--gpus 1025 is more than taas runs \(1024 ranks at most\)"),
+    ("--cpus 257", r"^--cpus 257 is more than taas runs \(256 loader workers per loader at most\)"),
+])
+def test_sizes_beyond_the_limits_are_one_line_errors(argline, message):
+    with pytest.raises(DirectiveError, match=message):
+        parse_options(argline)
+    assert parse_options("--gpus 1024 --cpus 256").gpus == 1024
+
+
 def test_unknown_flag_suggests_the_close_one():
     with pytest.raises(DirectiveError, match=r"did you mean --gpus\?"):
         parse_options("--gpu 2")

@@ -11,18 +11,31 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Iterable
 
 from taas.errors import LaunchError
 from taas.launch.api import Event, JobHandle, LaunchSpec, Launcher, OutputChunk, ProcessExit
+from taas.launch.starter import FDS_PER_MESSAGE
+from taas.shield import deferred_interrupt
 
 _STREAMS = ("stdout", "stderr", "events")
 _READY_TIMEOUT = 120.0  # a cold `import torch` on a busy 2-core machine can take many seconds
+# Open files the kernel needs per process of a job while it runs: three pipe ends, and the
+# process's connection to the kernel-hosted rendezvous store.
+_FDS_PER_PROCESS = 4
+_FD_MARGIN = 64  # what the kernel itself may open meanwhile
+
+# The start process's guard dies with the *thread* that started it (PR_SET_PDEATHSIG follows
+# the parent thread): start it from one thread that lives as long as the kernel, never from a
+# cell's thread that may end.
+_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="taas-spawner")
 
 
 class LocalLauncher(Launcher):
@@ -44,12 +57,16 @@ class LocalLauncher(Launcher):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "taas.launch.starter", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
+            with deferred_interrupt():  # never a started guard we do not know of
+                self._proc = _spawner.submit(
+                    subprocess.Popen,
+                    [sys.executable, "-m", "taas.launch.starter", str(theirs.fileno()),
+                     str(os.getpid())],
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # the kernel's interrupt (SIGINT to its group) is its own
+                ).result()
         finally:
             theirs.close()
         self._sock = ours
@@ -64,7 +81,8 @@ class LocalLauncher(Launcher):
                 self._close_starter()
                 raise LaunchError("the taas start process did not come up in time; run the cell again")
             try:
-                tag, pid = self._conn.recv()
+                with deferred_interrupt():
+                    tag, pid = self._conn.recv()
             except EOFError:
                 code = self._proc.wait()
                 self._close_starter()
@@ -83,9 +101,7 @@ class LocalLauncher(Launcher):
                 closable.close()
         self._conn = self._sock = None
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()  # its jobs die with it (PR_SET_PDEATHSIG)
-            self._proc.wait()
+            _end_guard(self._proc)
         self._proc = None
         self._ready = False
 
@@ -100,33 +116,44 @@ class LocalLauncher(Launcher):
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                _end_guard(proc)
         self._proc = None
         self._ready = False
 
     # -- jobs ----------------------------------------------------------------------------
+    def check(self, processes: int) -> None:
+        """Raise LaunchError (one line) if a job of ``processes`` processes cannot start here."""
+        check_fd_limit(processes)
+
     def start(self, spec: LaunchSpec) -> "LocalJob":
+        check_fd_limit(len(spec.processes))
         try:
             conn = self._ensure_ready()
-            pipes = [os.pipe() for _ in range(len(spec.processes) * len(_STREAMS))]
         except OSError as exc:
             raise LaunchError(f"could not start the job: {exc}") from None
+        readers: dict[int, tuple[str, str]] = {}
+        keys = [(proc.key, stream) for proc in spec.processes for stream in _STREAMS]
         try:
-            conn.send(("spawn", spec.job_id, spec.cwd, spec.job_dir, list(spec.processes)))
-            socket.send_fds(self._sock, [b"f"], [w for _, w in pipes])
+            # No interrupt between the request and its fds: the channel would be out of step.
+            with deferred_interrupt():
+                conn.send(("spawn", spec.job_id, spec.cwd, spec.job_dir, list(spec.processes)))
+                for start in range(0, len(keys), FDS_PER_MESSAGE):
+                    batch = keys[start : start + FDS_PER_MESSAGE]
+                    writers = []
+                    try:
+                        for key in batch:
+                            r, w = os.pipe()
+                            readers[r] = key
+                            writers.append(w)
+                        socket.send_fds(self._sock, [b"f"], writers)
+                    finally:
+                        for w in writers:
+                            os.close(w)
         except OSError as exc:
-            for r, w in pipes:
+            for r in readers:
                 os.close(r)
-                os.close(w)
-            self._close_starter()
-            raise LaunchError(f"lost the taas start process ({exc}); run the cell again") from None
-        for _, w in pipes:
-            os.close(w)
-        readers = {}
-        for i, proc in enumerate(spec.processes):
-            for j, stream in enumerate(_STREAMS):
-                readers[pipes[3 * i + j][0]] = (proc.key, stream)
+            self._close_starter()  # it waits for fds that will not come: start afresh
+            raise LaunchError(f"could not start the job ({exc}); run the cell again") from None
         job = LocalJob(self, spec.job_id, readers)
         try:
             job._await_spawned()
@@ -139,6 +166,55 @@ class LocalLauncher(Launcher):
             job.close()
             raise
         return job
+
+
+def _fds_needed(processes: int) -> int:
+    """Extra open files the kernel holds for a job of ``processes`` processes, at the peak:
+    while starting, every read end plus one batch of write ends; while running, the read ends
+    and each process's store connection."""
+    streams = len(_STREAMS) * processes
+    return max(streams + min(streams, FDS_PER_MESSAGE), _FDS_PER_PROCESS * processes)
+
+
+def check_fd_limit(processes: int) -> None:
+    """Refuse, in one line, a job whose pipes would not fit under the kernel's open-file limit
+    (raising the soft limit towards the hard one first, as far as the job needs)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return
+    need = open_now + _fds_needed(processes) + _FD_MARGIN
+    if need <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or need <= hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+            return
+        except (ValueError, OSError):
+            pass
+    limit = max(soft, hard)
+    fit = processes
+    while fit > 0 and open_now + _fds_needed(fit) + _FD_MARGIN > limit:
+        fit -= 1
+    raise LaunchError(
+        f"a job of {processes} processes needs about {need} open files in the kernel, but its "
+        f"limit is {limit}: use at most {fit} processes (ranks plus loader workers), or raise "
+        "the limit (ulimit -n) before starting Jupyter")
+
+
+def _end_guard(proc: subprocess.Popen) -> None:
+    """End the start process's guard: SIGTERM makes it kill everything below it first."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
 
 
 class LocalJob(JobHandle):
@@ -181,7 +257,8 @@ class LocalJob(JobHandle):
     def _recv_control(self, timeout: float):
         try:
             if self._conn.poll(timeout):
-                return self._conn.recv()
+                with deferred_interrupt():  # never half a message
+                    return self._conn.recv()
         except (EOFError, OSError):
             self._lose_starter()
         return None
@@ -244,7 +321,8 @@ class LocalJob(JobHandle):
             return
         if self.running:
             try:
-                self._conn.send(("stop", self.job_id, grace))
+                with deferred_interrupt():
+                    self._conn.send(("stop", self.job_id, grace))
             except OSError:
                 self._recv_control(0)
                 return

@@ -29,6 +29,12 @@ Each child is the leader of its own process group, gets SIGKILL if the starter d
 so orphans of a job re-parent here and are killed when the job ends.  The starter exits when
 the kernel closes its end of the socket (kernel exit, crash, kill or restart), ending every
 running job first.
+
+Above the starter sits a small *guard* (see :func:`main`): the process the kernel starts.  It
+never imports torch, dies with the kernel, and when the starter dies -- even by SIGKILL, as
+the OOM killer would -- it kills whatever escaped from the jobs and re-parented to it.
+
+Fds travel in batches of at most FDS_PER_MESSAGE (one SCM_RIGHTS message carries 253 at most).
 """
 
 from __future__ import annotations
@@ -89,11 +95,19 @@ class Starter:
         os.set_blocking(wakeup_w, False)
         signal.set_wakeup_fd(wakeup_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        # The guard's SIGTERM (kernel gone or closing us): shut down cleanly, at once.
+        self.terminated = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         self.private = (conn.fileno(), sock.fileno(), self.wakeup_r, wakeup_w)
+
+    def _on_sigterm(self, *_) -> None:
+        self.terminated = True
 
     # -- main loop -------------------------------------------------------------------------
     def serve(self) -> None:
         while True:
+            if self.terminated:
+                return self.shutdown()
             busy = any(job.kill_at is not None for job in self.jobs.values())
             ready = wait([self.conn, self.wakeup_r], timeout=0.05 if busy else 0.5)
             if self.wakeup_r in ready:
@@ -110,6 +124,8 @@ class Starter:
                 return self.shutdown()
             if not any(job.live for job in self.jobs.values()):
                 self._fork_ahead()  # between jobs: never compete with running ranks
+            if not self.jobs and set(_child_pids()) - set(self.ready):
+                self._kill_orphans()  # something of a finished job re-parented to us late
 
     def shutdown(self) -> None:
         for pid, channel in self.ready.items():
@@ -138,7 +154,7 @@ class Starter:
 
     # -- messages --------------------------------------------------------------------------
     def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list) -> None:
-        _, fds, _, _ = socket.recv_fds(self.sock, 1, 3 * len(specs))
+        fds = _recv_fds(self.sock, 3 * len(specs))
         job = self.jobs[job_id] = _Job(job_id, job_dir)
         pids: dict[str, int] = {}
         starter = os.getpid()
@@ -251,22 +267,53 @@ class Starter:
             _killpg(pid, sig)
 
     def _kill_orphans(self) -> None:
-        """Kill every child that is not a live process of a job: orphans of finished ranks
-        (a DataLoader worker that outlived its rank, a process that left its group)."""
-        live = {pid for job in self.jobs.values() for pid in job.live} | set(self.ready)
-        try:
-            import psutil
-
-            children = psutil.Process().children()
-        except Exception:  # pragma: no cover - psutil is a dependency
-            return
-        for child in children:
-            if child.pid not in live:
-                _killpg(child.pid, signal.SIGKILL)
+        """Kill every child that is not a live process of a job, with everything below it:
+        orphans of finished ranks (a DataLoader worker that outlived its rank, a daemon that
+        left its group with setsid or a double fork).  Killing one can re-parent its own
+        children to us (we are a subreaper): repeat until no such child is left."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            live = {pid for job in self.jobs.values() for pid in job.live} | set(self.ready)
+            orphans = [pid for pid in _child_pids() if pid not in live]
+            if not orphans or time.monotonic() > deadline:
+                return
+            for pid in orphans:
+                for victim in [pid, *_descendant_pids(pid)]:
+                    _killpg(victim, signal.SIGKILL)
+                    _kill(victim, signal.SIGKILL)
+            time.sleep(0.005)
+            for pid in orphans:
                 try:
-                    child.kill()
-                except Exception:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
                     pass
+
+
+def _child_pids() -> list[int]:
+    """Our children (the start process is single-threaded: one task)."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:  # pragma: no cover - kernels without CONFIG_PROC_CHILDREN
+        import psutil
+
+        return [child.pid for child in psutil.Process().children()]
+
+
+def _descendant_pids(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _unlink_shared_memory(job_id: str) -> None:
@@ -276,6 +323,24 @@ def _unlink_shared_memory(job_id: str) -> None:
         unlink_job(job_id)
     except Exception:
         pass
+
+
+# How many fds one SCM_RIGHTS message may carry (Linux: SCM_MAX_FD = 253).
+FDS_PER_MESSAGE = 240
+
+
+def _recv_fds(sock: socket.socket, count: int) -> list[int]:
+    """``count`` fds sent by :func:`taas.launch.local.send_fds` in batches of
+    FDS_PER_MESSAGE, one marker byte each."""
+    fds: list[int] = []
+    while len(fds) < count:
+        data, batch, _, _ = socket.recv_fds(sock, 1, min(FDS_PER_MESSAGE, count - len(fds)))
+        if not data:
+            for fd in fds + list(batch):
+                os.close(fd)
+            raise EOFError("the kernel closed the channel")
+        fds.extend(batch)
+    return fds
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -389,9 +454,32 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
 
 
 def main() -> None:
-    fd = int(sys.argv[1])
+    """``python -m taas.launch.starter FD KERNEL_PID``: the guard, which forks the start process.
+
+    The process the kernel starts is a small *guard* that never imports torch (so it is never
+    what the OOM killer picks).  It is a child subreaper and the parent of the start process;
+    when the start process dies for any reason, or the kernel dies (PR_SET_PDEATHSIG, asked
+    before anything slow), the guard kills every process still below it -- ranks, and daemons
+    that escaped from them and re-parented to it -- and exits.  The start process itself dies
+    with the guard (PR_SET_PDEATHSIG, asked before it imports torch)."""
+    fd, kernel = int(sys.argv[1]), int(sys.argv[2])
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # first: the kernel may die at any moment
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
+    if os.getppid() != kernel:  # it died before we asked
+        os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt is the kernel's
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    guard = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(fd)  # the kernel's channel is the start process's alone (EOF when it goes)
+        _guard(pid)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGCHLD})
+    if os.getppid() != guard:
+        os._exit(0)
+    _set_name("taas-start")
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # orphans of a job come to us first (killed at job end)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -400,10 +488,82 @@ def main() -> None:
     # Everything imported so far lives as long as we do: keep the garbage collector of each
     # child from walking (and so copying) those pages.
     gc.freeze()
+    _raise_fd_limit()
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     conn.send(("ready", os.getpid()))
     Starter(conn, sock).serve()
+
+
+def _guard(starter: int) -> None:
+    """The guard's life: wait until the start process exits or the kernel dies (SIGTERM),
+    then kill everything below us and exit.  SIGTERM and SIGCHLD are blocked: sigwait.
+
+    On SIGTERM the start process gets SIGTERM first and a moment to end its jobs and remove
+    their files (it dies at once if it is still importing torch)."""
+    _set_name("taas-guard")
+    while True:
+        if signal.sigwait({signal.SIGTERM, signal.SIGCHLD}) == signal.SIGTERM:
+            break
+        if _reaped(starter):  # it died (SIGKILL, OOM killer, or it ended): clean up after it
+            _kill_all_children()
+            os._exit(0)
+    try:
+        os.kill(starter, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 3.0
+    while not _reaped(starter) and time.monotonic() < deadline:
+        signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - time.monotonic()))
+    _kill_all_children()
+    os._exit(0)
+
+
+def _reaped(pid: int) -> bool:
+    """Reap every exited child; whether ``pid`` was one of them."""
+    found = False
+    while True:
+        try:
+            done, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return found
+        if done == 0:
+            return found
+        found = found or done == pid
+
+
+def _kill_all_children() -> None:
+    """SIGKILL every child (and its process group) until none is left.  We are a subreaper,
+    so whatever still runs below us re-parents to us as its parents die; once we have no
+    child at all, nothing is left below us."""
+    import psutil
+
+    while True:
+        for child in psutil.Process().children():
+            _killpg(child.pid, signal.SIGKILL)
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            pass
+
+
+def _raise_fd_limit() -> None:
+    """Each process of a job holds three pipe ends, and a gloo rank a socket per peer: let
+    the start process (and so every child) open as many files as the hard limit allows."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 if __name__ == "__main__":

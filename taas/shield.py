@@ -1,0 +1,48 @@
+"""Keep a Ctrl-C / kernel interrupt from landing in the middle of a step that must not be cut.
+
+A KeyboardInterrupt raised half-way through ``import torch`` leaves half-initialised modules in
+``sys.modules`` (the next import crashes the interpreter or raises ``SystemError: bad call
+flags``); one raised between two messages of a protocol desynchronises it.  Inside
+:func:`deferred_interrupt` a SIGINT is only noted; it is raised as KeyboardInterrupt when the
+block ends, so the interrupt still happens, just at a safe point.
+
+Only the main thread receives SIGINT (and only it may set a handler); elsewhere this does
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def deferred_interrupt():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:  # not Python's KeyboardInterrupt: leave it
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def import_shielded(*names: str) -> None:
+    """Import ``names`` so that an interrupt cannot leave one of them half-imported."""
+    import importlib
+    import sys
+
+    if all(name in sys.modules for name in names):
+        return
+    with deferred_interrupt():
+        for name in names:
+            importlib.import_module(name)
