@@ -122,7 +122,7 @@ class Session:
             workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
             self.launcher.check(world + workers)
         job_id = uuid.uuid4().hex[:12]
-        big = BigValues(job_id)  # large arrays travel once, through shared memory
+        big = BigValues(job_id, resident=True)  # large arrays travel once, through shared memory
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         for line in ([note] if note else []) + rebound + big.notes:
             sink.write("stderr", line + "\n")
@@ -160,9 +160,11 @@ class Session:
                     f"{exc.strerror or exc}; free space there, or set TMPDIR to a writable "
                     "directory and restart the kernel") from None
             store = _agent_store(world)
-            spec = self._launch_spec(job_id, job_dir, world, store.port, plane, cwd, options.storage)
+            spec = self._launch_spec(job_id, job_dir, world, store.port, plane, cwd, options.storage,
+                                     shared_fds=tuple(big.fds))  # resident big tensors
             layers.mark()
             handle = self.launcher.start(spec)
+            big.close_fds()  # every process has its own now
             show = None if options.show is None else {f"rank{r}" for r in options.show}
             router = OutputRouter(sink, [p.key for p in spec.processes], show, tag=world > 1)
             ends = self._supervise(handle, router, sink, plane, options.timeout, started)
@@ -210,7 +212,7 @@ class Session:
         return DataPlane.plan(values, options, world, device)
 
     def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane,
-                     cwd: str, storage: str = "layer") -> LaunchSpec:
+                     cwd: str, storage: str = "layer", shared_fds: tuple[int, ...] = ()) -> LaunchSpec:
         common = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -244,7 +246,8 @@ class Session:
                                          storage="shared" if rank == 0 else storage))
         if plane is not None:
             processes.extend(plane.processes(common, storage))
-        return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=cwd, processes=tuple(processes))
+        return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=cwd, processes=tuple(processes),
+                          shared_fds=shared_fds)
 
     def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float):
         """Pump output until every process ended; stop all at the first failure."""

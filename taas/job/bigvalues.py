@@ -54,6 +54,7 @@ ROOM_MARGIN = 64 << 20  # bytes left free in SHM_DIR after writing a value
 _CHUNK = 1 << 28  # one write() call at most (Linux caps a write near 2 GiB)
 WRITERS = 8  # threads writing one big value (no more than the CPUs)
 _PART = 32 << 20  # a thread writes at least this much
+MAX_FDS = 64  # resident storages passed by descriptor in one job (a launcher passes that many)
 
 
 class BigValues:
@@ -123,6 +124,8 @@ class BigValues:
     def _resident_fd(self, untyped) -> int | None:
         """The index in :attr:`fds` of ``untyped``'s shared-memory file, moving the storage
         there first if it is a plain allocation; None where that cannot be done."""
+        if len(self.fds) >= MAX_FDS:  # more big tensors than that: the rest go as files
+            return None
         try:
             fd = untyped._get_shared_fd()  # already resident, or shared by share_memory_()
         except RuntimeError:  # a plain allocation: not shared yet

@@ -49,10 +49,17 @@ class ProcessSpec:
 
 @dataclass(frozen=True)
 class LaunchSpec:
+    """A job to start.  ``shared_fds``: open files of the caller (read-only data, such as the
+    notebook's resident big tensors) that every process of the job gets as open files of its
+    own; a process finds them, in this order, by the numbers listed in its
+    ``TAAS_SHARED_FDS`` environment variable (``"7,8"``).  The caller keeps its own fds and
+    may close them once :meth:`Launcher.start` returned."""
+
     job_id: str
     job_dir: str
     cwd: str
     processes: tuple[ProcessSpec, ...]
+    shared_fds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

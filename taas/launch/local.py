@@ -22,7 +22,7 @@ from typing import Iterable
 
 from taas.errors import LaunchError
 from taas.launch.api import Event, JobHandle, LaunchSpec, Launcher, OutputChunk, ProcessExit
-from taas.launch.starter import FDS_PER_MESSAGE
+from taas.launch.starter import FDS_PER_MESSAGE, MAX_SHARED_FDS
 from taas.shield import deferred_interrupt
 
 _STREAMS = ("stdout", "stderr", "events")
@@ -126,6 +126,9 @@ class LocalLauncher(Launcher):
         check_fd_limit(processes)
 
     def start(self, spec: LaunchSpec) -> "LocalJob":
+        if len(spec.shared_fds) > MAX_SHARED_FDS:
+            raise LaunchError(f"a job can pass at most {MAX_SHARED_FDS} shared files to its processes, "
+                              f"not {len(spec.shared_fds)}")
         check_fd_limit(len(spec.processes))
         try:
             conn = self._ensure_ready()
@@ -136,7 +139,8 @@ class LocalLauncher(Launcher):
         try:
             # No interrupt between the request and its fds: the channel would be out of step.
             with deferred_interrupt():
-                conn.send(("spawn", spec.job_id, spec.cwd, spec.job_dir, list(spec.processes)))
+                conn.send(("spawn", spec.job_id, spec.cwd, spec.job_dir, list(spec.processes),
+                           len(spec.shared_fds)))
                 for start in range(0, len(keys), FDS_PER_MESSAGE):
                     batch = keys[start : start + FDS_PER_MESSAGE]
                     writers = []
@@ -149,6 +153,9 @@ class LocalLauncher(Launcher):
                     finally:
                         for w in writers:
                             os.close(w)
+                shared = list(spec.shared_fds)
+                for start in range(0, len(shared), FDS_PER_MESSAGE):
+                    socket.send_fds(self._sock, [b"f"], shared[start : start + FDS_PER_MESSAGE])
         except OSError as exc:
             for r in readers:
                 os.close(r)

@@ -153,19 +153,21 @@ class Starter:
             pass
 
     # -- messages --------------------------------------------------------------------------
-    def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list) -> None:
-        fds = _recv_fds(self.sock, 3 * len(specs))
+    def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list, shared: int = 0) -> None:
+        fds = _recv_fds(self.sock, 3 * len(specs) + shared)
+        shared_fds = fds[3 * len(specs):]  # every process gets these (LaunchSpec.shared_fds)
         job = self.jobs[job_id] = _Job(job_id, job_dir)
         pids: dict[str, int] = {}
         starter = os.getpid()
         self.ready_target = min(max(len(specs), 1), 64)
         try:
             for i, spec in enumerate(specs):
-                pid = self._hand_to_ready_child(spec, cwd, fds[3 * i : 3 * i + 3])
+                own = fds[3 * i : 3 * i + 3] + shared_fds
+                pid = self._hand_to_ready_child(spec, cwd, own)
                 if pid is None:
                     pid = os.fork()
                     if pid == 0:  # child: never returns
-                        _child(spec, cwd, fds[3 * i : 3 * i + 3], self._private(), starter)
+                        _child(spec, cwd, own, self._private(), starter)
                     try:
                         os.setpgid(pid, pid)  # also done by the child; whichever runs first
                     except OSError:
@@ -325,6 +327,9 @@ def _unlink_shared_memory(job_id: str) -> None:
         pass
 
 
+# LaunchSpec.shared_fds one job may pass: they go to a ready child in one message, with its 3 pipes.
+MAX_SHARED_FDS = 64
+
 # How many fds one SCM_RIGHTS message may carry (Linux: SCM_MAX_FD = 253).
 FDS_PER_MESSAGE = 240
 
@@ -361,7 +366,7 @@ def _ready_child(channel: socket.socket, private: tuple[int, ...], starter: int)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != starter:
             os._exit(0)
-        message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3)
+        message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3 + MAX_SHARED_FDS)
         channel.close()
     except BaseException:
         os._exit(70)
@@ -418,7 +423,7 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        out, err, events = fds
+        out, err, events = fds[:3]
         os.dup2(out, 1)
         os.dup2(err, 2)
         os.close(out)
@@ -434,6 +439,7 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
         sys.stdin = open(os.devnull)
         os.environ.update(spec.env)
         os.environ["TAAS_EVENTS_FD"] = str(events)
+        os.environ["TAAS_SHARED_FDS"] = ",".join(str(fd) for fd in fds[3:])
         os.environ["TAAS_STORAGE"] = storage
         if warning:
             os.environ["TAAS_STORAGE_WARNING"] = warning
