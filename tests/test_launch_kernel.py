@@ -74,12 +74,15 @@ def _limited_kernel(workdir, soft: int, hard: int) -> Kernel:
 def test_job_beyond_the_open_file_limit_is_refused_and_leaks_nothing(workdir):
     k = _limited_kernel(workdir, 200, 200)
     try:
-        assert k.run("#pragma taas --gpus 1\nx = 1").error is None  # warm
+        for _ in range(2):  # warm: the start process, and the fds a finished job closes late
+            assert k.run("#pragma taas --gpus 1\nx = 1").error is None
         fds = psutil.Process(k.pid).num_fds()
         run = k.run("#pragma taas --gpus 40\nx = 1")
         evalue = one_line_usage_error(run)
         assert "ulimit -n" in evalue and "use at most" in evalue, evalue
-        assert psutil.Process(k.pid).num_fds() == fds
+        # The kernel's own (zmq) fds come and go; a leak would stay.
+        wait_for(lambda: psutil.Process(k.pid).num_fds() <= fds, timeout=60,
+                 what=f"the kernel back to its {fds} open files")
         run = k.run("#pragma taas --gpus 2\nimport torch.distributed as dist\ndist.get_world_size()")
         assert run.error is None, run.traceback
         assert run.result == "2"
@@ -205,8 +208,10 @@ def test_during_a_job_everything_listens_on_loopback_only(kernel, workdir, clean
     for name in ("up", "go"):
         (workdir / name).unlink(missing_ok=True)
     result = {}
+    # --storage shared: rank 1 polls for a file that appears in the working directory during
+    # the job (under the default layer it may keep seeing its own view without it).
     body = cell("""
-        #pragma taas --gpus 2
+        #pragma taas --gpus 2 --storage shared
         import os, time, torch.distributed as dist
         if dist.get_rank() == 0:
             open("up", "w").close()

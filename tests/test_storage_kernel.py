@@ -79,6 +79,23 @@ def test_every_rank_writes_its_own_files_and_they_all_come_back(kernel, clean, u
     assert not (workdir / ".taas").exists()
 
 
+def test_what_rank_zero_prepares_before_a_barrier_every_rank_reads(kernel, clean, unchanged, workdir):
+    """torchrun's usual pattern under the default layer: rank 0 writes, barrier, all read."""
+    run = kernel.run(cell("""
+        #pragma taas --gpus 3
+        import os, torch.distributed as dist
+        if dist.get_rank() == 0:
+            with open("prepared.txt", "w") as f:
+                f.write("ready")
+        dist.barrier()
+        print(open("prepared.txt").read(), sorted(n for n in os.listdir(".") if n == "prepared.txt"))
+        """))
+    assert run.error is None, run.traceback
+    assert run.stdout.count("ready ['prepared.txt']") == 3, run.stdout
+    assert (workdir / "prepared.txt").read_text() == "ready"
+    assert "conflict" not in run.stderr and "differently" not in run.stderr, run.stderr
+
+
 def test_two_ranks_writing_one_path_differently_is_one_conflict_line(kernel, clean, unchanged, workdir):
     run = kernel.run(cell("""
         #pragma taas --gpus 2
