@@ -43,6 +43,7 @@ class JobOptions:
     results: bool = True  # return rank 0's new names / last expression to the notebook
     config: str | None = None  # DataSphere '#!NAME' configuration (shown, otherwise ignored)
     storage: str = "layer"  # what ranks > 0 may write: layer | strict | shared (taas.worker.storage)
+    stall: float = 60.0  # seconds without output before the ranks' places are shown; 0 = never
 
 
 _SEE_HELP = "see %%taas? for the options"
@@ -79,6 +80,17 @@ def _timeout(text):
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(
             f"--timeout must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _stall(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"--stall must be a number of seconds (0 turns it off), got {text!r}")
     return value
 
 
@@ -134,6 +146,10 @@ _PARSER.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto"
 _PARSER.add_argument("--timeout", metavar="SECONDS", type=_timeout,
                      help="wall-clock limit of the whole job; also how long a collective or "
                      "a loader may hang (default: none)")
+_PARSER.add_argument("--stall", metavar="SECONDS", type=_stall, default=60.0,
+                     help="when no rank printed anything for this long, show the line and call "
+                     "each rank is at, once per silence, without stopping the job (default: 60; "
+                     "0 = never)")
 _PARSER.add_argument("--show", metavar="all|0|0,2", type=_show,
                      help="ranks whose output streams live (default: all); the others' output "
                      "is still shown if the job fails")
@@ -189,8 +205,8 @@ def format_options(opts: JobOptions) -> str:
             out.append("--no-results")
         elif f.name == "show":
             out.append("--show " + ",".join(map(str, value)))
-        elif f.name == "timeout":
-            out.append(f"--timeout {int(value) if float(value).is_integer() else repr(value)}")
+        elif f.name in ("timeout", "stall"):
+            out.append(f"--{f.name} {int(value) if float(value).is_integer() else repr(value)}")
         else:
             out.append(f"--{f.name} {shlex.quote(str(value))}")
     return " ".join(out)

@@ -25,16 +25,17 @@ from dataclasses import dataclass, field
 
 from taas import directive
 from taas.errors import CellSyntaxError, JobFailed, LaunchError
-from taas.io import failure
+from taas.io import failure, hang
 from taas.io.output import LineSplitter, OutputRouter, Sink, TerminalSink
 from taas.job import analysis, crossing, merge, package
 from taas.job.bigvalues import BigValues
 from taas.launch.api import LaunchSpec, ProcessExit, ProcessSpec
 from taas.launch.local import LocalLauncher
 from taas.shield import import_shielded
-from taas.worker import comm, report
+from taas.worker import comm, report, stacks
 
 STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when a job is stopped
+STACK_WAIT = 2.0  # seconds to wait for the ranks' stacks (taas.worker.stacks) before going on
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Session:
         # channel to the start process is not shared.
         self._running = threading.Lock()
         self._running_since: str | None = None
+        self._stacks: dict[str, dict] = {}  # rank key -> its latest "stack" event
 
     def warm(self) -> None:
         if hasattr(self.launcher, "warm"):
@@ -167,7 +169,8 @@ class Session:
             big.close_fds()  # every process has its own now
             show = None if options.show is None else {f"rank{r}" for r in options.show}
             router = OutputRouter(sink, [p.key for p in spec.processes], show, tag=world > 1)
-            ends = self._supervise(handle, router, sink, plane, options.timeout, started)
+            ends = self._supervise(handle, router, sink, plane, options.timeout, started,
+                                   job_dir=job_dir, stall=options.stall, name_for=name_for)
             stats.exit_codes = {k: e.returncode for k, e in ends.items()}
             if any(end.failed for end in ends.values()):
                 router.replay_hidden("--- recent output of {key} ---")
@@ -249,16 +252,23 @@ class Session:
         return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=cwd, processes=tuple(processes),
                           shared_fds=shared_fds)
 
-    def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float):
-        """Pump output until every process ended; stop all at the first failure."""
+    def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float,
+                   *, job_dir: str | None = None, stall: float = 0.0, name_for=None):
+        """Pump output until every process ended; stop all at the first failure.
+
+        Past ``timeout`` and on Ctrl-C the ranks' places (:func:`places`) are taken before
+        anything is stopped, and shown with the error; after ``stall`` seconds without output
+        from any process they are shown as one line, once per silence, and the job goes on."""
         ends: dict[str, failure.ProcessEnd] = {}
         keys = list(handle.pids)
         stopping = False
         # Event lines can be larger than a pipe's buffer: reassemble them across reads.
         event_lines: dict[str, LineSplitter] = {}
+        last_output = time.monotonic()
+        stalled = False  # this silence was reported already
 
         def deliver(events) -> None:
-            nonlocal stopping
+            nonlocal stopping, last_output, stalled
             for event in events:
                 if isinstance(event, ProcessExit):
                     ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time(),
@@ -267,17 +277,37 @@ class Session:
                         stopping = True
                         handle.stop(STOP_GRACE)
                 elif event.stream != "events":
+                    last_output, stalled = time.monotonic(), False
                     router.feed(event.key, event.stream, event.data)
                 else:
                     lines, _ = event_lines.setdefault(event.key, LineSplitter(max_line=None)).feed(event.data)
                     for line in lines:
                         self._on_event(event.key, line, sink, plane)
 
+        def places() -> list[hang.Place]:
+            """Where every rank is: the running ones are asked for their stacks (answers are
+            awaited up to STACK_WAIT s, output keeps flowing meanwhile), the others ended."""
+            ranks = [k for k in keys if k.startswith("rank")]
+            self._stacks = {}
+            asked = set(stacks.request(job_dir, [k for k in ranks if k not in ends])) if job_dir else set()
+            deadline = time.monotonic() + STACK_WAIT
+            while asked - set(self._stacks) - set(ends) and time.monotonic() < deadline:
+                deliver(handle.events(0.05))
+            return [_place(k, self._stacks.get(k), ends.get(k), job_dir) for k in ranks]
+
         try:
             while len(ends) < len(keys):
                 deliver(handle.events(0.05))
                 router.tick()
+                if (stall and not stopping and not stalled and len(ends) < len(keys)
+                        and time.monotonic() - last_output > stall):
+                    stalled, since = True, last_output
+                    where = places()
+                    if not stopping and last_output == since:  # still silent
+                        router.tick()
+                        sink.write("stderr", f"taas: no output for {stall:g} s; {hang.one_line(where)}\n")
                 if timeout is not None and not stopping and time.monotonic() - started > timeout:
+                    where = places()  # before anything is stopped
                     stopping = True
                     if plane is not None:
                         plane.note_timeout()  # who waited for which loader, before the stop
@@ -285,12 +315,24 @@ class Session:
                     deliver(handle.drain())
                     router.close()
                     left = failure.left_early(list(ends.values()))
-                    why = f" ({failure.left_line(left)})" if left is not None else ""
-                    raise JobFailed(f"the job ran past --timeout {timeout:g}s{why}; all its processes were stopped")
+                    odd = hang.odd_sentence(where)
+                    why = (f" ({failure.left_line(left)})" if left is not None
+                           else f" ({odd})" if odd else "")
+                    summary = f"the job ran past --timeout {timeout:g}s{why}; all its processes were stopped"
+                    raise JobFailed(summary, [failure.RED + failure.BOLD + summary + failure.RESET]
+                                    + hang.render(where, name_for))
             deliver(handle.drain())
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            where = []
+            if not stopping:
+                try:
+                    where = places()  # before anything is stopped
+                except KeyboardInterrupt:
+                    pass  # a second Ctrl-C: stop at once
             handle.stop(STOP_GRACE)
             router.close()
+            if where:
+                _explain_interrupt(exc, where, name_for)
             raise
         router.close()
         return ends
@@ -303,6 +345,8 @@ class Session:
             return
         if message.get("kind") == "display" and hasattr(sink, "display"):
             sink.display(message.get("data", {}), message.get("metadata", {}))
+        elif message.get("kind") == "stack":
+            self._stacks[key] = message
         elif message.get("kind") == "comm" and self.last is not None:
             self.last.comm_ops[key] = message.get("ops")
         elif str(message.get("kind")).startswith("data.") and plane is not None:
@@ -398,6 +442,28 @@ def _job_failed(job_dir: str, ends: list, name_for) -> JobFailed:
     root = failure.root_cause(ends)
     others = [end for end in ends if end is not root]
     return JobFailed(failure.summary(root), failure.render(root, others, name_for), root)
+
+
+def _place(key: str, answer: dict | None, end, job_dir: str | None) -> hang.Place:
+    """One rank's place: its answer, how it ended, or neither (it did not answer)."""
+    if answer is not None:
+        return hang.Place.from_event(key, answer)
+    if end is None:
+        return hang.Place(key)
+    if end.returncode == 0:
+        record = report.read_error(job_dir, key) if job_dir else None
+        return hang.Place(key, ended="already ended (sys.exit(0))" if record else "already ended (code 0)")
+    return hang.Place(key, ended=f"already ended ({failure.describe_exit(end)})")
+
+
+def _explain_interrupt(exc: KeyboardInterrupt, where: list, name_for) -> None:
+    """Make the notebook show where the ranks were when the job was interrupted: IPython
+    shows an exception's ``_render_traceback_`` instead of its frames (the error's name stays
+    KeyboardInterrupt); plain Python shows the note."""
+    lines = ["KeyboardInterrupt: the job was interrupted; all its processes were stopped"]
+    lines += hang.render(where, name_for)
+    exc._render_traceback_ = lambda: list(lines)
+    exc.add_note("\n".join(lines[1:]))
 
 
 def _syntax_error(exc: SyntaxError, name_for) -> CellSyntaxError:

@@ -32,6 +32,9 @@ VALID = [
     ("--backend gloo --device cpu", JobOptions(backend="gloo", device="cpu")),
     ("--timeout 30", JobOptions(timeout=30.0)),
     ("--timeout 0.5", JobOptions(timeout=0.5)),
+    ("--stall 0", JobOptions(stall=0.0)),  # off
+    ("--stall 2.5", JobOptions(stall=2.5)),
+    ("--stall 60", JobOptions()),  # the default
     ("--show all", JobOptions(show=None)),
     ("--show ALL", JobOptions(show=None)),
     ("--show 0", JobOptions(show=(0,))),
@@ -78,6 +81,10 @@ INVALID = [
     ("--timeout soon", "--timeout"),
     ("--timeout inf", "--timeout"),
     ("--timeout nan", "--timeout"),
+    ("--stall -1", "--stall must be a number of seconds (0 turns it off), got '-1'"),
+    ("--stall x", "--stall"),
+    ("--stall inf", "--stall"),
+    ("--stall", "--stall"),
     ("--show -1", "--show"),
     ("--show 0,,2", "--show"),
     ("--show 0,x", "--show"),
@@ -152,6 +159,7 @@ FORMATTED = [
     (JobOptions(show=(0, 2)), "--show 0,2"),
     (JobOptions(results=False, config="g2.8"), "--no-results --config g2.8"),
     (JobOptions(gpus=2, storage="strict"), "--gpus 2 --storage strict"),
+    (JobOptions(stall=0.0), "--stall 0"),
     (JobOptions(cpus=4, units=7, backend="gloo", device="cpu"),
      "--cpus 4 --units 7 --backend gloo --device cpu"),
 ]
@@ -173,7 +181,7 @@ def test_format_round_trips(line, expected):
 FLAG_OF_FIELD = {
     "gpus": "--gpus", "cpus": "--cpus", "units": "--units", "backend": "--backend",
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
-    "config": "--config", "storage": "--storage",
+    "config": "--config", "storage": "--storage", "stall": "--stall",
 }
 
 

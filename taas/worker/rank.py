@@ -31,7 +31,7 @@ import torch.distributed as dist
 from taas.job import crossing
 from taas.job.analysis import compile_cell
 from taas.job.package import Payload, unship
-from taas.worker import comm, display, patches, report
+from taas.worker import comm, display, patches, report, stacks
 
 
 def main(spec) -> int:
@@ -43,6 +43,7 @@ def main(spec) -> int:
     try:
         with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
             payload: Payload = pickle.load(f)
+        stacks.start(job_dir, key, payload.filename)  # where this rank is, when the kernel asks
         if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
             print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
         _setup(payload)
