@@ -10,7 +10,7 @@ a FIFO of its own, ``<job_dir>/stacks/<key>``; the kernel writes one byte to it
 ``sys._current_frames()`` -- the collective released the GIL, so the thread runs -- and sends
 it on the events pipe as one ``{"kind": "stack", ...}`` line:
 
-    frames  the stack, outermost first, taas's own frames dropped (as in error reports)
+    frames  the stack, outermost first, from the cell's first frame; taas's own frames dropped
     line    the innermost line of the cell itself (None: the rank is not in the cell)
     call    that line's source text
 
@@ -75,8 +75,10 @@ def snapshot(thread_id: int, filename: str) -> dict:
         frame = frame.f_back
     frames.reverse()
     frames = [f for f in frames if not _internal(f["filename"])]
-    in_cell = [f for f in frames if f["filename"] == filename]
-    here = in_cell[-1] if in_cell else None
+    in_cell = [i for i, f in enumerate(frames) if f["filename"] == filename]
+    if in_cell:
+        frames = frames[in_cell[0]:]  # what ran the cell (runpy...) is no news to the user
+    here = frames[in_cell[-1] - in_cell[0]] if in_cell else None
     return {"frames": frames, "line": here["lineno"] if here else None,
             "call": here["line"] if here else ""}
 
