@@ -308,6 +308,8 @@ class Session:
                         sink.write("stderr", f"taas: no output for {stall:g} s; {hang.one_line(where)}\n")
                 if timeout is not None and not stopping and time.monotonic() - started > timeout:
                     where = places()  # before anything is stopped
+                    if stopping or len(ends) == len(keys):
+                        continue  # a rank failed, or all ended, while they answered
                     stopping = True
                     if plane is not None:
                         plane.note_timeout()  # who waited for which loader, before the stop
