@@ -53,7 +53,13 @@ def test_sizes_beyond_what_taas_runs_are_refused_before_anything_starts(kernel, 
     before = {p.pid for p in kernel.descendants()}
     run = kernel.run(f"#pragma taas {flags}\nx = 1")
     assert says in one_line_usage_error(run)
-    assert {p.pid for p in kernel.descendants()} - before == set()
+    # Nothing of a job started.  (The warm pool %load_ext began may still be filling up on a
+    # busy machine: its start process and idle children are no job's.)
+    new = [process_name(p) for p in kernel.descendants() if p.pid not in before]
+    assert [name for name in new if name not in _WARM_POOL] == []
+
+
+_WARM_POOL = ("taas-guard", "taas-start", "taas-ready", "python")  # python: not yet renamed
 
 
 def test_more_processes_than_one_fd_message_holds(kernel, clean):
