@@ -538,7 +538,7 @@ def _agent_store(world: int):
         port = listener.getsockname()[1]
         store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                               master_listen_fd=listener.fileno())
-    except BaseException:
+    except BaseException:  # Ctrl-C included: close the socket the store did not take; re-raised
         listener.close()
         raise
     listener.detach()

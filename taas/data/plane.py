@@ -96,7 +96,7 @@ class DataPlane:
             path = os.path.join(job_dir, f"loader-{index}.pkl")
             try:
                 blob = crossing.dumps(item.entry.loader, crossing.TO_RANK)  # keeps cell file names
-            except Exception as exc:
+            except Exception as exc:  # any pickling failure becomes the one-line PackagingError
                 raise PackagingError(f"cannot send registered loader `{item.name}` to loader workers: "
                                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
             with open(path, "wb") as f:
@@ -254,7 +254,7 @@ class DataPlane:
             if item.header is not None:
                 try:
                     item.header.close()
-                except Exception:
+                except Exception:  # closing is best effort; the segments are unlinked below regardless
                     pass
                 item.header = None
         if self.job_id:
@@ -292,5 +292,5 @@ def _len(obj) -> int | None:
         return None
     try:
         return len(obj)
-    except Exception:
+    except Exception:  # a user __len__ may raise anything: treated as "no length"
         return None

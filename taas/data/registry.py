@@ -173,7 +173,7 @@ def _check_round_trip(loader) -> None:
         # the notebook, cloudpickle sets the unpickled methods back onto the notebook's own
         # class, so they must keep their cell's file name -- crossing's pickler does.)
         blob = crossing.dumps(loader, crossing.TO_RANK)
-    except Exception as exc:
+    except Exception as exc:  # any pickling failure becomes the one-line RegistrationError
         where, culprit = _culprit(loader)
         found = f" (`{where}` is {_type_name(culprit)})" if where else ""
         raise RegistrationError(
@@ -182,7 +182,7 @@ def _check_round_trip(loader) -> None:
             "(e.g. open files in __getitem__), not when the loader is built") from None
     try:
         cloudpickle.loads(blob)
-    except Exception as exc:
+    except Exception as exc:  # user __setstate__ may raise anything: one-line RegistrationError
         raise RegistrationError(
             f"cannot register {_describe(loader)}: it pickles but does not unpickle, so loader "
             f"workers could not rebuild it: {type(exc).__name__}: {_first_line(exc)}") from None
@@ -208,7 +208,7 @@ def _culprit(value, path: str = "loader", depth: int = 0, seen: set | None = Non
     for child_path, child in children:
         try:
             cloudpickle.dumps(child)
-        except Exception:
+        except Exception:  # any failure marks this child as the culprit to look into
             deeper = _culprit(child, child_path, depth + 1, seen)
             return deeper if deeper[0] else (child_path, child)
     return None, None

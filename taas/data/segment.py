@@ -62,7 +62,7 @@ def _shm_create(name: str, size: int) -> mmap.mmap:
     try:
         os.ftruncate(fd, size)
         return mmap.mmap(fd, size)
-    except BaseException:
+    except BaseException:  # Ctrl-C included: never leave a half-made segment; re-raised
         unlink(name)
         raise
     finally:

@@ -57,7 +57,7 @@ def close_views() -> None:
         view = _views.pop()
         try:
             view._close()
-        except Exception:
+        except Exception:  # at exit, best effort: the segments die with the job anyway
             pass
 
 

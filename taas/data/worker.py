@@ -48,7 +48,7 @@ def main(spec) -> int:
     signal.signal(signal.SIGTERM, on_term)
     try:
         return _run(cfg, state)
-    except BaseException as exc:
+    except BaseException as exc:  # whatever the loader raised is this worker's reported failure
         report.write_error(job_dir, spec.key, exc, 1)
         return 1
     finally:

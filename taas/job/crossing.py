@@ -207,7 +207,7 @@ def load_result(blob: bytes):
         return pickle.loads(blob), None
     except KeyboardInterrupt:
         raise
-    except BaseException as exc:
+    except BaseException as exc:  # user code in __setstate__ may raise anything: it costs this value only
         return None, f"{type(exc).__name__}: {exc}".rstrip(": ")
     finally:
         sys.setrecursionlimit(limit)

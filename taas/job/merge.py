@@ -234,7 +234,7 @@ def _place(src: str, dst: str) -> None:
         else:
             shutil.copy2(src, tmp)
         os.replace(tmp, dst)
-    except BaseException:
+    except BaseException:  # Ctrl-C included: never leave the temporary file; re-raised
         try:
             os.unlink(tmp)
         except OSError:

@@ -177,7 +177,7 @@ def _unshippable(name: str, value, seen: set[int]):
     try:
         crossing.dumps(value, crossing.TO_RANK)
         return None
-    except Exception:
+    except Exception:  # any pickling failure (user __reduce__ included): look for its cause below
         pass
     # A notebook function or class fails because of a global it reads: name that global.
     for ref_name, ref_value in _referenced_globals(value).items():
@@ -213,7 +213,7 @@ def _type_name(value) -> str:
 def _reason(value) -> str:
     try:
         crossing.dumps(value, crossing.TO_RANK)
-    except Exception as exc:
+    except Exception as exc:  # whatever pickling raised is the reason shown
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return text[:200]
     return "it cannot be pickled"

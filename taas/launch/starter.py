@@ -323,7 +323,7 @@ def _unlink_shared_memory(job_id: str) -> None:
         from taas.data.segment import unlink_job
 
         unlink_job(job_id)
-    except Exception:
+    except Exception:  # cleanup must not stop the start process; the kernel unlinks too
         pass
 
 
@@ -368,7 +368,7 @@ def _ready_child(channel: socket.socket, private: tuple[int, ...], starter: int)
             os._exit(0)
         message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3 + MAX_SHARED_FDS)
         channel.close()
-    except BaseException:
+    except BaseException:  # a child forked ahead must never return into the start process's code
         os._exit(70)
     if not message:  # the start process is done with us
         os._exit(0)
@@ -447,7 +447,7 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
         code = getattr(importlib.import_module(module), function)(spec)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:
+    except BaseException:  # the child's setup or entry failed: print it, then exit (finally)
         import traceback
 
         traceback.print_exc()

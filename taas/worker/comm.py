@@ -55,7 +55,7 @@ def report() -> None:
     """Send this rank's count on the events pipe (never raises: it only informs a note)."""
     try:
         ops = count()
-    except Exception:
+    except Exception:  # torch internals vary by version; the note is informative only
         ops = None
     events.send("comm", ops=ops)
 
@@ -64,7 +64,7 @@ def _sequence(group) -> int | None:
     global _unknown
     try:
         return int(group._get_sequence_number_for_group())
-    except Exception:
+    except Exception:  # a private torch API: absent or refusing on some backends/versions
         _unknown = True
         return None
 

@@ -33,6 +33,6 @@ def format_bundle(obj) -> tuple[dict, dict]:
         from IPython.core.formatters import DisplayFormatter
 
         data, metadata = DisplayFormatter().format(obj)
-    except Exception:
+    except Exception:  # a user _repr_*_ may raise anything: fall back to repr
         data, metadata = {"text/plain": repr(obj)}, {}
     return {k: v for k, v in data.items() if isinstance(v, str)}, metadata

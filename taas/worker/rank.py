@@ -213,5 +213,5 @@ def _teardown() -> None:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:
+        except Exception:  # any backend error here follows an earlier failure
             pass  # a peer failed; the supervisor reports that failure, not this one
