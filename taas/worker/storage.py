@@ -307,14 +307,8 @@ def make_read_only(path: str, keep_writable: Sequence[str] = ()) -> str | None:
         reason = str(exc)
     except Exception as exc:  # the contract is a reason, never an exception
         reason = f"{type(exc).__name__}: {exc}"
-    if mounted:  # undo: a reason means the directory is writable as before
-        if _libc.umount2(os.fsencode(path), MNT_DETACH) != 0:
-            reason += f"; undo failed: {os.strerror(ctypes.get_errno())}"
-    if cwd is not None:
-        try:
-            os.chdir(cwd)
-        except OSError:
-            pass
+    # undo: a reason means the directory is writable as before
+    reason = _undo([path] if mounted else [], cwd, reason)
     return _REASON.format(" ".join(reason.split()))  # one line, whatever a path holds
 
 
@@ -410,7 +404,14 @@ def mount_layer(path: str, layer: str) -> str | None:
     finally:
         for fd in fds:
             os.close(fd)
-    for p in reversed(mounted):  # undo: a reason means the directory is as before
+    reason = _undo(reversed(mounted), cwd, reason)  # undo: a reason means the directory is as before
+    return _LAYER_REASON.format(" ".join(reason.split()))
+
+
+def _undo(mounts, cwd: str | None, reason: str) -> str:
+    """Detach ``mounts`` (in that order) and re-enter ``cwd``; ``reason``, with any unmount
+    that failed added to it."""
+    for p in mounts:
         if _libc.umount2(os.fsencode(p), MNT_DETACH) != 0:
             reason += f"; undo failed: {os.strerror(ctypes.get_errno())}"
     if cwd is not None:
@@ -418,7 +419,7 @@ def mount_layer(path: str, layer: str) -> str | None:
             os.chdir(cwd)
         except OSError:
             pass
-    return _LAYER_REASON.format(" ".join(reason.split()))
+    return reason
 
 
 def scratch_dir(job_dir: str, rank: int) -> str:
