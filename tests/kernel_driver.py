@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import os
 import queue
+import re
+import textwrap
 import time
 from dataclasses import dataclass, field
 
 import psutil
 from jupyter_client import KernelManager
+
+
+# No downloads: Hugging Face libraries in the kernel and its ranks (which inherit it) stay offline.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def cell(text: str) -> str:
+    """A cell's source written indented inside a test."""
+    return textwrap.dedent(text).strip("\n")
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal colours (IPython colours tracebacks)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def one_line_usage_error(run) -> str:
+    """IPython shows a UsageError as one stderr line (no traceback)."""
+    assert run.status == "error", run.stdout + run.stderr
+    usage = [line for line in run.stderr.splitlines() if line.startswith("UsageError: ")]
+    assert len(usage) == 1 and run.stderr.strip() == usage[0], run.stderr
+    return usage[0]
 
 
 @dataclass
@@ -26,9 +50,10 @@ class CellRun:
 
 
 class Kernel:
-    def __init__(self, cwd: str, load_taas: bool = True):
+    def __init__(self, cwd: str, load_taas: bool = True, env: dict | None = None):
+        """A kernel started in ``cwd``, with ``env`` added to this process's environment."""
         self.km = KernelManager(kernel_name="python3")
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_repo_root(), env.get("PYTHONPATH")]))
         self.km.start_kernel(cwd=cwd, env=env)
         self.kc = self.km.client()

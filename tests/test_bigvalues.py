@@ -312,7 +312,7 @@ def test_a_storage_moves_to_shared_memory_once_and_its_views_follow(resident):
     assert base[0].item() == -5.0
 
 
-def test_a_resident_storage_is_not_copied_again(resident):
+def test_a_resident_storage_is_not_copied_again(resident, monkeypatch):
     big, as_rank = resident
     base = torch.randn(2 * N)
     package.ship({"x": base}, big=big)
@@ -321,11 +321,8 @@ def test_a_resident_storage_is_not_copied_again(resident):
     try:
         blob = package.ship({"x": base}, big=again)
         assert again.written == 0 and len(again.fds) == 1  # no copy: the same file, passed again
-        os.environ[bigvalues.SHARED_FDS_ENV] = ",".join(map(str, again.fds))
-        try:
-            assert torch.equal(package.unship(blob)["x"], base)
-        finally:
-            del os.environ[bigvalues.SHARED_FDS_ENV]
+        monkeypatch.setenv(bigvalues.SHARED_FDS_ENV, ",".join(map(str, again.fds)))
+        assert torch.equal(package.unship(blob)["x"], base)
     finally:
         again.unlink()
     assert again.fds == []

@@ -4,11 +4,10 @@ succeeded or failed."""
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 
-from tests.kernel_driver import Kernel
+from tests.kernel_driver import Kernel, cell
 
 pytestmark = pytest.mark.kernel
 
@@ -20,10 +19,6 @@ def kernel(tmp_path_factory):
     assert run.error is None, run.traceback
     yield k
     k.shutdown()
-
-
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
 
 
 def test_rank_writes_to_its_own_copy_only(kernel, clean):

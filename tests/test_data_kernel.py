@@ -6,12 +6,11 @@ import json
 import os
 import re
 import signal
-import textwrap
 import time
 
 import pytest
 
-from tests.kernel_driver import Kernel, process_name, shm_entries, wait_for, wait_until_gone
+from tests.kernel_driver import (Kernel, cell, plain, process_name, shm_entries, wait_for, wait_until_gone)
 
 pytestmark = pytest.mark.kernel
 
@@ -77,10 +76,6 @@ print("LOG", json.dumps(log))
 """
 
 
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
-
-
 def logs(run) -> dict[int, list]:
     out = {}
     for line in run.stdout.splitlines():
@@ -88,10 +83,6 @@ def logs(run) -> dict[int, list]:
         if match:
             out[int(match.group(1))] = json.loads(match.group(2))
     return out
-
-
-def plain(text: str) -> str:
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from tests.kernel_driver import Kernel
+from tests.kernel_driver import Kernel, cell
 
 pytestmark = pytest.mark.kernel
 
@@ -17,10 +17,6 @@ def kernel(tmp_path_factory):
     k = Kernel(str(tmp_path_factory.mktemp("notebook")))
     yield k
     k.shutdown()
-
-
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
 
 
 # Rank 1 waits in a barrier while the others wait in an all_reduce: nobody ever returns.

@@ -3,11 +3,10 @@ output, a deleted working directory, a registered loader assigned again."""
 
 from __future__ import annotations
 
-import textwrap
 
 import pytest
 
-from tests.kernel_driver import Kernel
+from tests.kernel_driver import Kernel, cell
 
 pytestmark = pytest.mark.kernel
 
@@ -22,10 +21,6 @@ def kernel(workdir):
     k = Kernel(str(workdir))
     yield k
     k.shutdown()
-
-
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
 
 
 # -- 1: only a real directive line is a directive ------------------------------------------------

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import textwrap
 import time
 
 import psutil
 import pytest
 
-from tests.kernel_driver import Kernel, open_files, process_name, wait_for, wait_until_gone
+from tests.kernel_driver import Kernel, cell, open_files, process_name, wait_for, wait_until_gone
 
 pytestmark = pytest.mark.kernel
 
@@ -26,10 +25,6 @@ def kernel(workdir):
     k = Kernel(str(workdir))
     yield k
     k.shutdown()
-
-
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
 
 
 def test_pragma_cell_runs_ranks_with_notebook_code_and_brings_results_back(kernel, clean):

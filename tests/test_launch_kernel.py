@@ -7,14 +7,13 @@ import os
 import resource
 import signal
 import socket
-import textwrap
 import threading
 import time
 
 import psutil
 import pytest
 
-from tests.kernel_driver import Kernel, process_name, wait_for, wait_until_gone
+from tests.kernel_driver import (Kernel, cell, one_line_usage_error, process_name, wait_for, wait_until_gone)
 
 pytestmark = pytest.mark.kernel
 
@@ -29,18 +28,6 @@ def kernel(workdir):
     k = Kernel(str(workdir))
     yield k
     k.shutdown()
-
-
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
-
-
-def one_line_usage_error(run) -> str:
-    """IPython shows a UsageError as one stderr line (no traceback)."""
-    assert run.status == "error", run.stdout + run.stderr
-    usage = [line for line in run.stderr.splitlines() if line.startswith("UsageError: ")]
-    assert len(usage) == 1 and run.stderr.strip() == usage[0], run.stderr
-    return usage[0]
 
 
 # -- 2. sizes ---------------------------------------------------------------------------------

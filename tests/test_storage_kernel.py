@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import textwrap
 
 import pytest
 
-from tests.kernel_driver import Kernel
+from tests.kernel_driver import Kernel, OFFLINE, cell, plain
 
 pytestmark = pytest.mark.kernel
 
@@ -21,16 +20,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kernel(workdir):
-    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ.update({k: "1" for k in saved})  # no downloads: the kernel and its ranks inherit it
-    try:
-        k = Kernel(str(workdir))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    k = Kernel(str(workdir), env=OFFLINE)
     yield k
     k.shutdown()
 
@@ -50,14 +40,6 @@ def unchanged(kernel):
     left = kernel.run("import glob, tempfile, taas\n"
                       "print(glob.glob(f'{tempfile.gettempdir()}/taas-{taas._loaded[\"session\"].last.job_id}-*'))")
     assert left.stdout.strip() == "[]", left.stdout + left.traceback
-
-
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
-
-
-def plain(text: str) -> str:
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def test_every_rank_writes_its_own_files_and_they_all_come_back(kernel, clean, unchanged, workdir):

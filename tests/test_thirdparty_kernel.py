@@ -4,13 +4,11 @@ never talk, results that cannot come back, a rank that leaves early."""
 
 from __future__ import annotations
 
-import os
 import re
-import textwrap
 
 import pytest
 
-from tests.kernel_driver import Kernel
+from tests.kernel_driver import Kernel, OFFLINE, cell, plain
 
 pytestmark = pytest.mark.kernel
 
@@ -22,26 +20,9 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kernel(workdir):
-    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")}
-    os.environ.update({k: "1" for k in saved})  # no downloads: the kernel and its ranks inherit it
-    try:
-        k = Kernel(str(workdir))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    k = Kernel(str(workdir), env=OFFLINE)
     yield k
     k.shutdown()
-
-
-def cell(text: str) -> str:
-    return textwrap.dedent(text).strip("\n")
-
-
-def plain(text: str) -> str:
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 # -- A1: IPython's exit / quit / get_ipython in notebook functions -----------------------------
