@@ -133,10 +133,7 @@ class Session:
             job_dir = tempfile.mkdtemp(prefix=f"taas-{job_id}-")
         except OSError as exc:
             big.unlink(wait=False)
-            raise LaunchError(
-                f"cannot create the job's directory in {tempfile.gettempdir()}: "
-                f"{exc.strerror or exc}; free space there, or set TMPDIR to a writable "
-                "directory and restart the kernel") from None
+            raise _no_room("create the job's directory", exc) from None
         stats = self.last = JobStats(job_id, world, device, backend,
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],
                                      config=options.config)
@@ -157,10 +154,7 @@ class Session:
                 with open(os.path.join(job_dir, "payload.pkl"), "wb") as f:
                     pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
             except OSError as exc:
-                raise LaunchError(
-                    f"cannot write the job's files in {tempfile.gettempdir()}: "
-                    f"{exc.strerror or exc}; free space there, or set TMPDIR to a writable "
-                    "directory and restart the kernel") from None
+                raise _no_room("write the job's files", exc) from None
             store = _agent_store(world)
             spec = self._launch_spec(job_id, job_dir, world, store.port, plane, cwd, options.storage,
                                      shared_fds=tuple(big.fds))  # resident big tensors
@@ -499,6 +493,12 @@ def _rebound_loaders(namespace: dict, values: dict) -> list[str]:
             names.add(name)
             stack.append(ref)
     return registry.rebound(namespace, names)
+
+
+def _no_room(what: str, exc: OSError) -> LaunchError:
+    """The one line for a job whose files cannot go to the temporary directory."""
+    return LaunchError(f"cannot {what} in {tempfile.gettempdir()}: {exc.strerror or exc}; free space "
+                       "there, or set TMPDIR to a writable directory and restart the kernel")
 
 
 def working_directory() -> str:
