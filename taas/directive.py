@@ -44,6 +44,7 @@ class JobOptions:
     config: str | None = None  # DataSphere '#!NAME' configuration (shown, otherwise ignored)
     storage: str = "layer"  # what ranks > 0 may write: layer | strict | shared (taas.worker.storage)
     stall: float = 60.0  # seconds without output before the ranks' places are shown; 0 = never
+    max_restarts: int = 0  # times a failed job starts again (torchrun's --max-restarts)
 
 
 _SEE_HELP = "see %%taas? for the options"
@@ -53,6 +54,7 @@ _SEE_HELP = "see %%taas? for the options"
 # usefully, low enough that a typo (--gpus 10**20) is a clear error, not a broken job.
 MAX_RANKS = 1024
 MAX_LOADER_WORKERS = 256
+MAX_RESTARTS = 100
 
 
 def _positive_int(flag, limit=None, what=""):
@@ -91,6 +93,17 @@ def _stall(text):
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(
             f"--stall must be a number of seconds (0 turns it off), got {text!r}")
+    return value
+
+
+def _max_restarts(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_RESTARTS:
+        raise argparse.ArgumentTypeError(
+            f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, got {text!r}")
     return value
 
 
@@ -150,6 +163,9 @@ _PARSER.add_argument("--stall", metavar="SECONDS", type=_stall, default=60.0,
                      help="when no rank printed anything for this long, show the line and call "
                      "each rank is at, once per silence, without stopping the job (default: 60; "
                      "0 = never)")
+_PARSER.add_argument("--max-restarts", metavar="R", dest="max_restarts", type=_max_restarts, default=0,
+                     help="when a rank or loader worker fails, stop the whole job and start it "
+                     "again, up to R times (TORCHELASTIC_RESTART_COUNT tells the attempt); default 0")
 _PARSER.add_argument("--show", metavar="all|0|0,2", type=_show,
                      help="ranks whose output streams live (default: all); the others' output "
                      "is still shown if the job fails")
@@ -208,7 +224,7 @@ def format_options(opts: JobOptions) -> str:
         elif f.name in ("timeout", "stall"):
             out.append(f"--{f.name} {int(value) if float(value).is_integer() else repr(value)}")
         else:
-            out.append(f"--{f.name} {shlex.quote(str(value))}")
+            out.append(f"--{f.name.replace('_', '-')} {shlex.quote(str(value))}")
     return " ".join(out)
 
 

@@ -35,6 +35,8 @@ VALID = [
     ("--stall 0", JobOptions(stall=0.0)),  # off
     ("--stall 2.5", JobOptions(stall=2.5)),
     ("--stall 60", JobOptions()),  # the default
+    ("--max-restarts 2", JobOptions(max_restarts=2)),
+    ("--max-restarts 0", JobOptions()),
     ("--show all", JobOptions(show=None)),
     ("--show ALL", JobOptions(show=None)),
     ("--show 0", JobOptions(show=(0,))),
@@ -82,6 +84,10 @@ INVALID = [
     ("--timeout inf", "--timeout"),
     ("--timeout nan", "--timeout"),
     ("--stall -1", "--stall must be a number of seconds (0 turns it off), got '-1'"),
+    ("--max-restarts -1", "--max-restarts must be a whole number from 0 to 100, got '-1'"),
+    ("--max-restarts x", "--max-restarts must be a whole number from 0 to 100, got 'x'"),
+    ("--max-restarts 1.5", "--max-restarts"),
+    ("--max-restarts 101", "--max-restarts"),
     ("--stall x", "--stall"),
     ("--stall inf", "--stall"),
     ("--stall", "--stall"),
@@ -160,6 +166,7 @@ FORMATTED = [
     (JobOptions(results=False, config="g2.8"), "--no-results --config g2.8"),
     (JobOptions(gpus=2, storage="strict"), "--gpus 2 --storage strict"),
     (JobOptions(stall=0.0), "--stall 0"),
+    (JobOptions(max_restarts=3), "--max-restarts 3"),
     (JobOptions(cpus=4, units=7, backend="gloo", device="cpu"),
      "--cpus 4 --units 7 --backend gloo --device cpu"),
 ]
@@ -181,7 +188,7 @@ def test_format_round_trips(line, expected):
 FLAG_OF_FIELD = {
     "gpus": "--gpus", "cpus": "--cpus", "units": "--units", "backend": "--backend",
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
-    "config": "--config", "storage": "--storage", "stall": "--stall",
+    "config": "--config", "storage": "--storage", "stall": "--stall", "max_restarts": "--max-restarts",
 }
 
 

@@ -1,5 +1,6 @@
 """The local launcher with real processes: output, exit codes, signals, and nothing left behind."""
 
+import pathlib
 import time
 
 import psutil
@@ -22,7 +23,6 @@ def launcher():
 def run(launcher, tmp_path, entry, n=2, env=None, timeout=300.0, stop_after=None):
     spec = LaunchSpec(
         job_id=f"t{time.monotonic_ns()}",
-        job_dir=str(tmp_path),
         cwd=str(tmp_path),
         processes=tuple(
             ProcessSpec(key=f"rank{i}", entry=f"tests.launch_targets:{entry}", env=dict(env or {}))
@@ -118,7 +118,7 @@ def test_stop_kills_a_process_that_ignores_sigterm(launcher, tmp_path):
 
 def test_kernel_death_takes_the_start_process_and_jobs_down(tmp_path):
     launcher = LocalLauncher()
-    spec = LaunchSpec("dead", str(tmp_path), str(tmp_path),
+    spec = LaunchSpec("dead", str(tmp_path),
                       (ProcessSpec("rank0", "tests.launch_targets:hang"),))
     job = launcher.start(spec)
     pids = list(job.pids.values()) + [launcher.starter_pid]
@@ -133,11 +133,11 @@ def test_kernel_death_during_a_stop_still_cleans_up(tmp_path):
     """The kernel asks for a stop and dies before the answer: the start process must still
     kill the job and remove its directory (its answer cannot be sent any more)."""
     launcher = LocalLauncher()
-    job_dir = tmp_path / "job"
-    job_dir.mkdir()
-    spec = LaunchSpec("dying", str(job_dir), str(tmp_path),
+    spec = LaunchSpec("dying", str(tmp_path),
                       (ProcessSpec("rank0", "tests.launch_targets:ignore_sigterm"),))
     job = launcher.start(spec)
+    job_dir = pathlib.Path(job.job_dir)
+    assert job_dir.is_dir()
     deadline = time.monotonic() + 30
     while b"ready" not in b"".join(e.data for e in job.events(0.1) if isinstance(e, OutputChunk)):
         assert time.monotonic() < deadline

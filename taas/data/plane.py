@@ -84,11 +84,15 @@ class DataPlane:
         """The registered loaders as objects that must not travel to ranks (see package.ship)."""
         return {id(item.entry.loader): item.name for item in self.loaders}
 
-    def open(self, job_id: str, job_dir: str) -> None:
+    def open(self, job_id: str, transport=None) -> None:
+        import tempfile
+
         from taas.job import crossing
         import torch
 
-        self.job_id, self.job_dir = job_id, job_dir
+        self.job_id = job_id
+        self.job_dir = job_dir = tempfile.mkdtemp(prefix=f"taas-data-{job_id}-")
+        self.settings = {}
         # Like a DataLoader's iter(): one draw from the kernel's torch RNG, so that a fixed
         # torch.manual_seed gives the same units to the same ranks, run after run.
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
@@ -220,7 +224,14 @@ class DataPlane:
         """The job hit --timeout: remember what the loader workers were doing, before the stop."""
         self._timeout_snapshot = self.snapshot()
 
-    def hang(self, timeout: float | None, name_for=None) -> JobFailed | None:
+    def ready(self) -> bool:
+        """Every loader's first slice is ready (the ranks run)."""
+        return all(item.ready_at is not None for item in self.loaders)
+
+    def cleanups(self) -> list:
+        return []
+
+    def hang(self, timeout: float | None, name_for=None, fetch=None) -> JobFailed | None:
         """After --timeout: a loader worker still loading a unit that a rank waits for (or, before
         the ranks could start, one of the first slice) is the culprit -- say so, with the worker's
         stack when it was stopped."""
@@ -243,7 +254,12 @@ class DataPlane:
             message += f" while rank{rank} waited {waited:.1f} s for unit {unit}"
         else:
             message += ", before the ranks could start (the first slice was not ready)"
-        end = failure.ProcessEnd(key, 1, time.time(), record=report.read_error(self.job_dir, key))
+        record = None
+        if fetch is not None:
+            import json
+            data = fetch(key, f"{key}.error.json")
+            record = json.loads(data) if data else None
+        end = failure.ProcessEnd(key, 1, time.time(), record=record)
         lines = failure.render(end, [], name_for)
         return JobFailed(message, [f"{failure.RED}{failure.BOLD}{message}{failure.RESET}"] + lines[1:], end)
 
@@ -259,6 +275,10 @@ class DataPlane:
                 item.header = None
         if self.job_id:
             segment.unlink_job(self.job_id)
+        if self.job_dir:
+            import shutil
+            shutil.rmtree(self.job_dir, ignore_errors=True)
+            self.job_dir = None
 
 
 def _read_by_functions(values: dict) -> list[tuple[str, object]]:

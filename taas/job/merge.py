@@ -259,3 +259,34 @@ def _paths(paths) -> str:
     paths = sorted(paths)
     shown = ", ".join(paths[:_SHOWN])
     return shown + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
+
+
+class Layers:
+    """The ``--storage layer`` bookkeeping of one attempt: the working directory's clock before
+    the launch, and the merge of every process's layer once all of them have exited."""
+
+    def __init__(self, cwd: str, active: bool):
+        self.cwd = cwd
+        self.active = active  # a lone rank 0 has no layer
+        self.since_ns = 0
+        self.done = False
+
+    def mark(self) -> None:
+        if self.active:
+            self.since_ns = clock_mark(self.cwd) or 0  # 0: every existing file counts as touched
+
+    def merge(self, layers: list[tuple[str, str]], job_id: str, sink) -> None:
+        """Merge ``layers`` (``(name, upper)``, JobHandle.layers) into the working directory
+        (once), showing the notes; never raises but for Ctrl-C."""
+        if not self.active or self.done:
+            return
+        self.done = True
+        layers = sorted(layers, key=lambda item: _order(item[0]))
+        conflicts = os.path.join(self.cwd, ".taas", "conflicts", job_id)
+        try:
+            result = merge_layers(self.cwd, layers, self.since_ns, conflicts)
+        except Exception as exc:  # never lose the job's result over it
+            sink.write("stderr", f"taas: could not merge the ranks' layers back: {exc}\n")
+            return
+        for line in result.notes():
+            sink.write("stderr", line + "\n")

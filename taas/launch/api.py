@@ -1,25 +1,45 @@
-"""The launcher contract: start a job's processes, watch them, stop them.
+"""The launcher contract: place a job's processes, give them a rendezvous, carry their files.
 
-A *job* is a set of processes started together and stopped together: the N ranks and, when the
-cell uses registered loaders, the loader workers.  Each process is described by a
+A *job attempt* is a set of processes started together and stopped together: the N ranks and,
+when the cell uses registered loaders, the loader workers.  Each process is described by a
 :class:`ProcessSpec` (what to run) and becomes a running process identified by its ``key``
 (``"rank0"``, ``"loader:train/1"``) -- the same split as torch elastic's ``WorkerSpec`` and
 ``Worker``.
 
-A :class:`Launcher` turns a :class:`LaunchSpec` into a :class:`JobHandle`.  The handle is a
-stream of :class:`Event` s -- output chunks and process exits -- that the supervisor
-(:mod:`taas.supervise`) consumes until the job is over, and a ``stop()`` that ends every process
-of the job (and everything they started) before it returns.
+A :class:`Launcher` turns a :class:`LaunchSpec` into a :class:`JobHandle`.  The launcher owns
+everything about *where*:
+
+- **placement**: which machine (and which GPU) each process runs on;
+- **rendezvous**: it hosts or chooses the job's store and gives every rank torchrun's
+  environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+  ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_*``; see :mod:`taas.launch.rendezvous`);
+- **files**: it puts :attr:`LaunchSpec.files` (the payload) where each process finds them and
+  brings back what a process left for the kernel (its failure report, fault dump, rank 0's
+  results) through :meth:`JobHandle.fetch` -- the caller never shares a directory with the
+  processes;
+- **the data plane's transport** (:meth:`Launcher.data_transport`) and the clean-up of its
+  resources (:attr:`LaunchSpec.cleanups`).
+
+The caller (:mod:`taas.supervisor`) sees only this module: no pids, fork, process groups,
+loopback or shared filesystem.
+
+The process side of the contract: a process runs ``entry(spec)`` with ``spec`` its
+:class:`ProcessSpec`, in the notebook's working directory (or what its ``storage`` makes of it),
+with ``TAAS_JOB_DIR`` naming *its* directory: the launcher has put the job's files there before
+the process starts and collects the files named in :data:`REPORT_FILES` from it after the
+process ends (whether the directory is shared by the job's processes is the launcher's
+business: write only your own names).  ``TAAS_EVENTS_FD`` is a pipe for JSON event lines
+(:mod:`taas.worker.events`); stdout and stderr stream to the kernel.
 
 Life of a process, as the handle reports it::
 
     spawned --(exits by itself)--> ProcessExit(returncode)      0: success
                                                                 >0: exit code
                                                                 <0: killed by signal -code
-    spawned --stop()--> SIGTERM to its process group --grace--> SIGKILL --> ProcessExit
+    spawned --stop()--> SIGTERM to everything it started --grace--> SIGKILL --> ProcessExit
 
 The local launcher (:mod:`taas.launch.local`) forks processes from a warm start process; a
-multi-node launcher will implement the same contract.
+multi-node launcher implements the same contract.
 """
 
 from __future__ import annotations
@@ -28,16 +48,31 @@ import abc
 from dataclasses import dataclass, field
 from typing import Iterable, Union
 
+# What a process may leave in its directory for the kernel (JobHandle.fetch names).
+RESULT = "result.pkl"  # rank 0's results
+
+
+def error_name(key: str) -> str:
+    """A process's failure report (JSON, :mod:`taas.worker.report`)."""
+    return f"{key}.error.json"
+
+
+def fault_name(key: str) -> str:
+    """A process's fault dump (faulthandler's text, when a signal killed it)."""
+    return f"{key}.fault"
+
 
 @dataclass(frozen=True)
 class ProcessSpec:
     """What one process of a job runs.
 
     ``entry`` is ``"package.module:function"``; the child calls ``function(spec)`` and exits
-    with the integer it returns.  ``env`` is added to the child's environment.  ``storage`` is
-    what the process may do to the working directory (:mod:`taas.worker.storage`):
-    ``"shared"`` write it (rank 0), ``"layer"`` write a private layer of it that is merged back
-    after the job, ``"strict"`` only read it.
+    with the integer it returns.  ``env`` is added to the child's environment (the launcher
+    adds the rendezvous variables to a rank's).  ``rank`` is the process's global rank, or None
+    for a process that is not a rank (a loader worker).  ``storage`` is what the process may do
+    to the working directory (:mod:`taas.worker.storage`): ``"shared"`` write it (rank 0),
+    ``"layer"`` write a private layer of it that is merged back after the job, ``"strict"``
+    only read it.
     """
 
     key: str
@@ -45,21 +80,37 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     storage: str = "shared"  # shared | layer | strict
     args: tuple = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """A job to start.  ``shared_fds``: open files of the caller (read-only data, such as the
+    """One attempt of a job to start.
+
+    ``files``: name -> bytes the launcher puts in every process's directory before it starts
+    (``payload.pkl``).  ``shared_fds``: open files of the caller (read-only data, such as the
     notebook's resident big tensors) that every process of the job gets as open files of its
-    own; a process finds them, in this order, by the numbers listed in its
-    ``TAAS_SHARED_FDS`` environment variable (``"7,8"``).  The caller keeps its own fds and
-    may close them once :meth:`Launcher.start` returned."""
+    own; a process finds them, in this order, by the numbers listed in its ``TAAS_SHARED_FDS``
+    environment variable (``"7,8"``).  The caller keeps its own fds and may close them once
+    :meth:`Launcher.start` returned.  ``device``: ``"cuda"`` places one rank per GPU.
+    ``restart``/``max_restarts``: which attempt this is (``TORCHELASTIC_RESTART_COUNT``).
+    ``cleanups``: ``("module:function", args)`` hooks that free resources the job's processes
+    share outside the launcher (the data plane's transport); the launcher runs them when the
+    attempt is over if the caller could not (the kernel died)."""
 
     job_id: str
-    job_dir: str
     cwd: str
     processes: tuple[ProcessSpec, ...]
+    files: dict[str, bytes] = field(default_factory=dict)
     shared_fds: tuple[int, ...] = ()
+    device: str = "cpu"
+    restart: int = 0
+    max_restarts: int = 0
+    cleanups: tuple = ()
+
+    @property
+    def world_size(self) -> int:
+        return sum(1 for p in self.processes if p.rank is not None)
 
 
 @dataclass(frozen=True)
@@ -74,7 +125,7 @@ class OutputChunk:
 @dataclass(frozen=True)
 class ProcessExit:
     key: str
-    pid: int
+    pid: int  # for logs only
     returncode: int  # negative: killed by signal -returncode
 
 
@@ -82,12 +133,12 @@ Event = Union[OutputChunk, ProcessExit]
 
 
 class JobHandle(abc.ABC):
-    """A running job.  Not thread-safe: one supervisor drives it."""
+    """A running attempt.  Not thread-safe: one supervisor drives it."""
 
     @property
     @abc.abstractmethod
-    def pids(self) -> dict[str, int]:
-        """Process key -> pid, for every process started."""
+    def keys(self) -> list[str]:
+        """The key of every process started, ranks first."""
 
     @abc.abstractmethod
     def events(self, timeout: float) -> Iterable[Event]:
@@ -97,21 +148,50 @@ class JobHandle(abc.ABC):
         """
 
     @abc.abstractmethod
+    def drain(self, timeout: float = 2.0) -> list[Event]:
+        """What output is left once every process exited (or was stopped), waiting at most
+        ``timeout`` s for it."""
+
+    @abc.abstractmethod
     def stop(self, grace: float = 1.0) -> None:
         """End every process of the job (SIGTERM, then SIGKILL after ``grace`` s) and every
         process they started; returns once all are gone.  Idempotent."""
 
     @abc.abstractmethod
+    def fetch(self, key: str, name: str) -> bytes | None:
+        """A file process ``key`` left for the kernel (:data:`RESULT`, :func:`error_name`,
+        :func:`fault_name`), or None.  Valid until :meth:`close`."""
+
+    @abc.abstractmethod
+    def request_stacks(self, keys: Iterable[str]) -> list[str]:
+        """Ask each running process in ``keys`` for its Python stack (the answer arrives as a
+        ``"stack"`` event line, :mod:`taas.worker.stacks`); returns the keys that were asked."""
+
+    @abc.abstractmethod
+    def layers(self) -> list[tuple[str, str]]:
+        """``(key, local path)`` of the ``upper`` directory of every process that ran with
+        ``storage="layer"``, readable here once the processes ended, until :meth:`close`."""
+
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release the handle's resources (pipes).  Calls ``stop()`` first if needed."""
+        """Release the attempt's resources (pipes, store, files).  Calls ``stop()`` first."""
 
 
 class Launcher(abc.ABC):
     """Starts jobs.  A launcher may keep warm state (a start process) across jobs."""
 
+    def warm(self) -> None:
+        """Prepare for the next job in the background (the local launcher starts its start
+        process); optional."""
+
+    def check(self, processes: int, device: str = "cpu") -> None:
+        """Raise LaunchError (one line) if a job of ``processes`` processes cannot run here;
+        called before anything is written or started."""
+
     @abc.abstractmethod
     def start(self, spec: LaunchSpec) -> JobHandle:
-        """Start every process of ``spec``; raises LaunchError if that is impossible."""
+        """Place and start every process of ``spec``; raises LaunchError if that is
+        impossible, leaving nothing behind."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ other ends itself, so output streams straight from each process to the kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import signal
@@ -21,7 +22,8 @@ from multiprocessing.connection import Connection
 from typing import Iterable
 
 from taas.errors import LaunchError
-from taas.launch.api import Event, JobHandle, LaunchSpec, Launcher, OutputChunk, ProcessExit
+from taas.launch import jobdir, rendezvous
+from taas.launch.api import Event, JobHandle, LaunchSpec, Launcher, OutputChunk, ProcessExit, ProcessSpec
 from taas.launch.starter import FDS_PER_MESSAGE, MAX_SHARED_FDS
 from taas.shield import deferred_interrupt
 
@@ -121,7 +123,10 @@ class LocalLauncher(Launcher):
         self._ready = False
 
     # -- jobs ----------------------------------------------------------------------------
-    def check(self, processes: int) -> None:
+    def data_transport(self):
+        return None  # interim: the data plane makes its own shared memory
+
+    def check(self, processes: int, device: str = "cpu") -> None:
         """Raise LaunchError (one line) if a job of ``processes`` processes cannot start here."""
         check_fd_limit(processes)
 
@@ -129,17 +134,27 @@ class LocalLauncher(Launcher):
         if len(spec.shared_fds) > MAX_SHARED_FDS:
             raise LaunchError(f"a job can pass at most {MAX_SHARED_FDS} shared files to its processes, "
                               f"not {len(spec.shared_fds)}")
+        if spec.device == "cuda":
+            check_gpus(spec.world_size)
         check_fd_limit(len(spec.processes))
         try:
             conn = self._ensure_ready()
         except OSError as exc:
             raise LaunchError(f"could not start the job: {exc}") from None
+        # Each attempt of a job is a job of its own for the start process (late messages
+        # about attempt 1 must not reach attempt 2).
+        attempt = spec.job_id if spec.restart == 0 else f"{spec.job_id}-{spec.restart}"
+        job_dir = jobdir.create(attempt)
+        store = None
         readers: dict[int, tuple[str, str]] = {}
-        keys = [(proc.key, stream) for proc in spec.processes for stream in _STREAMS]
         try:
+            jobdir.write_files(job_dir, spec.files)
+            store, port = rendezvous.agent_store(spec.world_size) if spec.world_size else (None, 0)
+            processes = _place(spec, job_dir, port)
+            keys = [(proc.key, stream) for proc in processes for stream in _STREAMS]
             # No interrupt between the request and its fds: the channel would be out of step.
             with deferred_interrupt():
-                conn.send(("spawn", spec.job_id, spec.cwd, spec.job_dir, list(spec.processes),
+                conn.send(("spawn", attempt, spec.cwd, job_dir, processes,
                            len(spec.shared_fds)))
                 for start in range(0, len(keys), FDS_PER_MESSAGE):
                     batch = keys[start : start + FDS_PER_MESSAGE]
@@ -159,20 +174,56 @@ class LocalLauncher(Launcher):
         except OSError as exc:
             for r in readers:
                 os.close(r)
+            jobdir.remove(job_dir)
             self._close_starter()  # it waits for fds that will not come: start afresh
             raise LaunchError(f"could not start the job ({exc}); run the cell again") from None
-        job = LocalJob(self, spec.job_id, readers)
+        except BaseException:  # LaunchError (no room) or Ctrl-C before the request went out
+            for r in readers:
+                os.close(r)
+            jobdir.remove(job_dir)
+            raise
+        job = LocalJob(self, attempt, readers, job_dir, store)
         try:
             job._await_spawned()
         except BaseException:  # interrupted or failed while starting: leave nothing running
             if self._conn is not None:
                 try:
-                    self._conn.send(("stop", spec.job_id, 0.0))
+                    self._conn.send(("stop", attempt, 0.0))
                 except OSError:
                     pass
             job.close()
             raise
         return job
+
+
+def _place(spec: LaunchSpec, job_dir: str, port: int) -> list[ProcessSpec]:
+    """Every process on this machine: a rank gets torchrun's variables for one node (local
+    rank = rank), a scratch directory, and every socket on loopback."""
+    world = spec.world_size
+    places = {p.rank: p for p in rendezvous.one_node(world)}
+    common = {"TAAS_JOB_DIR": job_dir}
+    lo = rendezvous.loopback_ifname()
+    if lo:  # one machine: every socket on loopback, gloo's and NCCL's bootstrap too
+        common["GLOO_SOCKET_IFNAME"] = lo
+        common["NCCL_SOCKET_IFNAME"] = lo
+    out = []
+    for proc in spec.processes:
+        env = dict(proc.env, **common)
+        if proc.rank is not None:
+            env.update(rendezvous.torchrun_env(places[proc.rank], world, "127.0.0.1", port, spec.job_id,
+                                               spec.restart, spec.max_restarts))
+            env["TAAS_SCRATCH"] = jobdir.scratch(job_dir, proc.rank)
+        out.append(dataclasses.replace(proc, env=env))
+    return out
+
+
+def check_gpus(ranks: int) -> None:
+    """One rank per GPU on this machine."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ranks > count:
+        raise LaunchError(f"--gpus {ranks} asks for more GPUs than this machine has ({count})")
 
 
 def _fds_needed(processes: int) -> int:
@@ -225,8 +276,11 @@ def _end_guard(proc: subprocess.Popen) -> None:
 
 
 class LocalJob(JobHandle):
-    def __init__(self, launcher: LocalLauncher, job_id: str, readers: dict[int, tuple[str, str]]):
+    def __init__(self, launcher: LocalLauncher, job_id: str, readers: dict[int, tuple[str, str]],
+                 job_dir: str, store=None):
         self._launcher = launcher
+        self.job_dir = job_dir  # see taas.launch.jobdir
+        self._store = store  # the attempt's rendezvous store; its port closes with it
         self._conn = launcher._conn
         self.job_id = job_id
         self._readers = readers
@@ -244,6 +298,21 @@ class LocalJob(JobHandle):
     @property
     def pids(self) -> dict[str, int]:
         return dict(self._pids)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._pids)
+
+    def fetch(self, key: str, name: str) -> bytes | None:
+        return jobdir.read(self.job_dir, name) if self.job_dir else None
+
+    def request_stacks(self, keys) -> list[str]:
+        from taas.worker import stacks
+
+        return stacks.request(self.job_dir, keys) if self.job_dir else []
+
+    def layers(self) -> list[tuple[str, str]]:
+        return jobdir.layers(self.job_dir) if self.job_dir else []
 
     @property
     def running(self) -> bool:
@@ -357,3 +426,7 @@ class LocalJob(JobHandle):
             os.close(fd)
         self._readers.clear()
         self._selector.close()
+        self._store = None  # closes its listening port
+        if self.job_dir:
+            jobdir.remove(self.job_dir)
+            self.job_dir = ""

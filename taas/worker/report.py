@@ -20,19 +20,21 @@ import os
 import time
 import traceback
 
+from taas.launch import api
+
 _TAAS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def error_path(job_dir: str, key: str) -> str:
-    return os.path.join(job_dir, f"{key}.error.json")
+    return os.path.join(job_dir, api.error_name(key))
 
 
 def fault_path(job_dir: str, key: str) -> str:
-    return os.path.join(job_dir, f"{key}.fault")
+    return os.path.join(job_dir, api.fault_name(key))
 
 
 def result_path(job_dir: str) -> str:
-    return os.path.join(job_dir, "result.pkl")
+    return os.path.join(job_dir, api.RESULT)
 
 
 def _internal(filename: str) -> bool:

@@ -1,0 +1,44 @@
+"""A job as a value: what runs, where, and the policy it runs under.
+
+The session builds a :class:`Job` from a cell (:mod:`taas.session`); the supervisor
+(:mod:`taas.supervisor`) runs it through its states on a launcher.  Nothing here knows about
+processes, IPython or the machine.
+
+    Job
+      what    payload (the cell, the notebook's values it reads), data (registered loaders)
+      where   World: ranks, device, backend
+      policy  Policy: timeout, restarts, stall, storage, output shown, results wanted
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class World:
+    size: int  # ranks
+    device: str  # "cuda" | "cpu"
+    backend: str  # "nccl" | "gloo"
+
+
+@dataclass(frozen=True)
+class Policy:
+    timeout: float | None = None  # whole job, restarts included; None: no limit
+    max_restarts: int = 0  # attempts after the first one that failed
+    stall: float = 0.0  # seconds without output before the ranks' places are shown; 0: never
+    storage: str = "layer"  # what ranks > 0 may write to the working directory
+    show: frozenset | None = None  # process keys whose output streams live; None: all
+    results: bool = True  # bring rank 0's names and Out[] back
+
+
+@dataclass
+class Job:
+    job_id: str
+    cwd: str  # the notebook's working directory, where the ranks start
+    payload: object  # taas.job.package.Payload, without its data-plane settings
+    world: World
+    policy: Policy
+    data: object = None  # taas.data.plane.DataPlane or None: registered loaders the cell reads
+    env: dict = field(default_factory=dict)  # added to every process's environment
+    shared_fds: tuple[int, ...] = ()  # read-only files every process gets (big values)

@@ -1,0 +1,89 @@
+"""The local launcher's job directory: where its processes find the job's files and leave
+theirs (the process side of :mod:`taas.launch.api`).
+
+    <tmp>/taas-<job_id>-XXXX/
+        payload.pkl ...           LaunchSpec.files
+        rank1.error.json          a process's failure report       (api.error_name)
+        rank1.fault               its fault dump                    (api.fault_name)
+        result.pkl                rank 0's results                  (api.RESULT)
+        stacks/<key>              FIFO: "where are you?"            (taas.worker.stacks)
+        scratch/rank<r>/          a rank's own writable directory   ($TAAS_SCRATCH)
+        layer/<key>/upper         a rank's --storage layer          (taas.worker.storage)
+
+Only the launcher knows this layout; the kernel reads results through ``JobHandle.fetch``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from taas.errors import LaunchError
+
+
+def create(job_id: str) -> str:
+    try:
+        return tempfile.mkdtemp(prefix=f"taas-{job_id}-")
+    except OSError as exc:
+        raise no_room("create the job's directory", exc) from None
+
+
+def write_files(job_dir: str, files: dict[str, bytes]) -> None:
+    try:
+        for name, data in files.items():
+            with open(os.path.join(job_dir, name), "wb") as f:
+                f.write(data)
+    except OSError as exc:
+        raise no_room("write the job's files", exc) from None
+
+
+def scratch(job_dir: str, rank: int) -> str:
+    path = os.path.join(job_dir, "scratch", f"rank{rank}")
+    try:
+        os.makedirs(path)
+    except OSError as exc:
+        raise no_room("write the job's files", exc) from None
+    return path
+
+
+def read(job_dir: str, name: str) -> bytes | None:
+    try:
+        with open(os.path.join(job_dir, name), "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def layers(job_dir: str) -> list[tuple[str, str]]:
+    """``(directory name, upper path)`` of every layer the job's processes made."""
+    root = os.path.join(job_dir, "layer")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return [(name, os.path.join(root, name, "upper")) for name in names
+            if os.path.isdir(os.path.join(root, name, "upper"))]
+
+
+def remove(path: str) -> None:
+    """``rm -rf path``, also through directories without permissions (overlayfs leaves its
+    work directory ``d---------``, owned by the rank's user)."""
+    def retry(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=retry)
+
+
+def no_room(what: str, exc: OSError) -> LaunchError:
+    """The one line for a job whose files cannot go to the temporary directory."""
+    return LaunchError(f"cannot {what} in {tempfile.gettempdir()}: {exc.strerror or exc}; free space "
+                       "there, or set TMPDIR to a writable directory and restart the kernel")
