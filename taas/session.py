@@ -70,7 +70,7 @@ def cuda_device_count() -> int:
 
 class Session:
     def __init__(self, launcher=None):
-        self.launcher = launcher or LocalLauncher()
+        self.launcher = launcher or launcher_from_env()
         self.last: JobStats | None = None
         # One job at a time per kernel (a cell may run one from a thread): the launcher's
         # channel to the start process is not shared.
@@ -167,6 +167,22 @@ class Session:
         from taas.data.plane import DataPlane
 
         return DataPlane.plan(values, options, world, device)
+
+
+def launcher_from_env():
+    """The launcher named by ``TAAS_LAUNCHER`` (``"module:Class"``, for a second implementation
+    of :mod:`taas.launch.api`), else the local one."""
+    name = os.environ.get("TAAS_LAUNCHER", "")
+    if not name:
+        return LocalLauncher()
+    import importlib
+
+    module, _, cls = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)()
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise LaunchError(f"TAAS_LAUNCHER={name!r} names no launcher ({exc}); unset it to use "
+                          "the local one") from None
 
 
 def _process_env(world: int) -> dict[str, str]:

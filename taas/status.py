@@ -25,6 +25,7 @@ def render(session) -> str:
         lines.append(
             f"last job {last.job_id}: {last.outcome}, {last.world_size} rank(s) on "
             f"{last.device}/{last.backend}, {last.wall_s:.2f} s"
+            + (f", restarts {last.restarts}" if getattr(last, "restarts", 0) else "")
             + (f", DataSphere configuration #!{last.config}" if last.config else "")
         )
         codes = ", ".join(f"{k}={v}" for k, v in sorted(last.exit_codes.items()))

@@ -389,7 +389,7 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _storage(spec, cwd: str) -> tuple[str | None, str]:
+def apply_storage(spec, cwd: str) -> tuple[str | None, str]:
     """Apply ``spec.storage`` to this (single-threaded, just forked) process: (a one-line
     warning or None, the mode in force: ``shared``, ``layer``, ``strict`` or ``none`` when
     even the read-only rule was refused)."""
@@ -429,7 +429,7 @@ def _child(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: in
         os.close(out)
         os.close(err)
         os.chdir(cwd)
-        warning, storage = _storage(spec, cwd)
+        warning, storage = apply_storage(spec, cwd)
         # After any namespace change (which resets it): die with the starter.
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != starter:  # it died before we asked
