@@ -34,9 +34,15 @@ class NotebookSink:
 
     def __init__(self) -> None:
         self._progress: dict[tuple[str, str], object] = {}
+        self._last = None  # the stream written last
 
     def write(self, stream: str, text: str) -> None:
         target = sys.stdout if stream == "stdout" else sys.stderr
+        if self._last is not None and self._last is not target:
+            # Each stream is sent on its own timer: flush the other one first, so that the
+            # cell shows stdout and stderr lines in the order they were written.
+            self._last.flush()
+        self._last = target
         target.write(text)
 
     def progress(self, key: str, stream: str, text: str, final: bool) -> None:
