@@ -148,3 +148,21 @@ def test_kernel_death_during_a_stop_still_cleans_up(tmp_path):
     assert_gone(pids)
     launcher._proc.wait()
     assert not job_dir.exists()
+
+
+def test_removing_a_job_directory_never_touches_its_parent(tmp_path):
+    """A job directory that is already gone (the start process removed it first) must not make
+    the clean-up change the permissions of the directory that held it (the system's /tmp)."""
+    from taas.launch import jobdir
+
+    parent = tmp_path / "tmp"
+    parent.mkdir(mode=0o777)
+    parent.chmod(0o1777)
+    jobdir.remove(str(parent / "taas-gone"))
+    assert parent.stat().st_mode & 0o7777 == 0o1777
+    locked = parent / "taas-locked"
+    (locked / "work" / "inner").mkdir(parents=True)
+    (locked / "work" / "inner" / "f").write_text("x")
+    (locked / "work").chmod(0)
+    jobdir.remove(str(locked))
+    assert not locked.exists() and parent.stat().st_mode & 0o7777 == 0o1777

@@ -68,10 +68,16 @@ def layers(job_dir: str) -> list[tuple[str, str]]:
 
 def remove(path: str) -> None:
     """``rm -rf path``, also through directories without permissions (overlayfs leaves its
-    work directory ``d---------``, owned by the rank's user)."""
+    work directory ``d---------``, owned by the rank's user).  Permissions are changed only
+    inside ``path``: never on the temporary directory that holds it."""
+    top = os.path.abspath(path)
+
     def retry(func, p, _exc):
+        parent = os.path.dirname(os.path.abspath(p))
+        if not (parent == top or parent.startswith(top + os.sep)):
+            return  # ``path`` itself is gone or cannot be removed: nothing of ours to fix
         try:
-            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(parent, 0o700)
             if os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, 0o700)
                 shutil.rmtree(p, ignore_errors=True)
