@@ -29,7 +29,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The job's runtime: the launcher, the rank runtime, the data plane.  They use each other's
     # small contracts (events, reports, segments, the storage rule, views), so one layer.
     ("runtime", ("taas.launch", "taas.worker", "taas.data")),
-    ("driver", ("taas.session",)),  # one kernel's job runner; no IPython
+    # One kernel's job runner (no IPython): the session, and the supervisor that watches a
+    # started job (taas.supervisor, where the launcher work has it).
+    ("driver", ("taas.supervisor", "taas.session")),
     ("status", ("taas.status",)),  # %taas's text, over the session
     ("notebook", ("taas.magics", "taas")),  # the IPython adapter and the extension hook
 ]
