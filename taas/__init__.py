@@ -7,13 +7,23 @@ In a notebook::
     #pragma taas --gpus 2        (or:  %%taas --gpus 2)
     <ordinary PyTorch>
 
-``import taas`` works in any Python process; IPython is only touched by
-``load_ipython_extension``.
+``import taas`` works in any Python process and imports neither torch nor IPython; IPython is
+only touched here (the extension hook, and finding a running shell's names without importing
+it) and in :mod:`taas.magics`.  The layers below receive what they need from the notebook as
+plain values and callables (see ``tests/test_layers.py`` for the order of the layers).
+
+``logging.getLogger("taas")`` carries a debug trail of what a job did; it has a NullHandler,
+so nothing is printed unless the user adds a handler and lowers its level.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+
 __version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _loaded: dict = {}
 
@@ -27,8 +37,18 @@ def __getattr__(name: str):
     if name in _DATA_API:
         from taas.data import registry
 
+        if registry._namespace_source is None:
+            registry.set_namespace_source(_notebook_namespace)
         return getattr(registry, name)
     raise AttributeError(f"module 'taas' has no attribute {name!r}")
+
+
+def _notebook_namespace() -> dict | None:
+    """The running IPython shell's user namespace, or None (no shell, or IPython not imported:
+    looked up in sys.modules, never imported).  How the registry knows loaders' names."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "user_ns", None)
 
 
 def __dir__():
@@ -37,11 +57,14 @@ def __dir__():
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext taas``: the magics, the ``#pragma taas`` transformer, a warm start process."""
-    from taas.magics import TaasMagics, pragma_transformer
+    from taas.data import registry
+    from taas.magics import TaasMagics, choose_display_formatter, pragma_transformer
     from taas.session import Session
 
     if _loaded.get("shell") is ipython:
         return
+    registry.set_namespace_source(_notebook_namespace)
+    choose_display_formatter()
     session = Session()
     session.warm()  # torch imports in the background while the user writes the next cell
     ipython.register_magics(TaasMagics(ipython, session))
@@ -51,7 +74,7 @@ def load_ipython_extension(ipython) -> None:
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext taas``: remove everything ``load_ipython_extension`` added."""
-    from taas.magics import pragma_transformer
+    from taas.magics import forget_display_formatter, pragma_transformer
 
     if _loaded.get("shell") is not ipython:
         return
@@ -61,3 +84,4 @@ def unload_ipython_extension(ipython) -> None:
         ipython.magics_manager.magics[kind].pop("taas", None)
     _loaded.pop("session").close()
     _loaded.clear()
+    forget_display_formatter()

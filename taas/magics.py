@@ -2,22 +2,40 @@
 
 Thin on purpose (as ipyparallel's magics are): parse options, hand the cell to
 :class:`taas.session.Session`, put results into the notebook.  Everything IPython-specific in
-taas lives in this module.
+taas lives in this module (and the extension hook in ``taas/__init__.py``): the layers below
+get what they need from the notebook as plain values -- the display formatter rank 0 uses is
+chosen here (:func:`choose_display_formatter`).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from IPython.core.error import UsageError
+from IPython.core.formatters import DisplayFormatter
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, publish_display_data
 
 from taas import directive
 from taas.errors import DirectiveError, LaunchError, PackagingError, RegistrationError
+from taas.job import package
 from taas.session import Session
 
+log = logging.getLogger(__name__)
+
 _BEFORE_LAUNCH = (DirectiveError, PackagingError, RegistrationError, LaunchError)
+
+
+def choose_display_formatter() -> None:
+    """Rank 0 formats what a cell ``display()``s with IPython's DisplayFormatter, as the
+    notebook itself would.  It travels by name (imported in the rank on first use), so the
+    rank runtime never names IPython (see :mod:`taas.worker.display`)."""
+    package.set_display_formatter(f"{DisplayFormatter.__module__}:{DisplayFormatter.__qualname__}")
+
+
+def forget_display_formatter() -> None:
+    package.set_display_formatter(None)
 
 
 def pragma_transformer(lines: list[str]) -> list[str]:
@@ -73,11 +91,14 @@ class TaasMagics(Magics):
     def taas(self, line: str, cell: str | None = None):
         if cell is None:
             return self._status(line)
+        shell = self.shell
+        log.debug("cell In[%s]: %d line(s), options %r", shell.execution_count,
+                  len(cell.splitlines()), line.strip())
         try:
             options = directive.parse_options(line)
         except DirectiveError as exc:
             raise UsageError(str(exc)) from None
-        shell = self.shell
+        log.debug("parsed options: %s", options)
         # Register the whole cell with IPython so tracebacks say "Cell In[7], line 4".
         filename = shell.compile.cache(f"%%taas {line}\n{cell}", shell.execution_count)
         sink = NotebookSink() if getattr(shell, "kernel", None) is not None else None
@@ -87,7 +108,10 @@ class TaasMagics(Magics):
                 hidden=frozenset(shell.user_ns_hidden), name_for=self._name_for,
             )
         except _BEFORE_LAUNCH as exc:
+            log.debug("refused before launch: %s: %s", type(exc).__name__, exc)
             raise UsageError(str(exc)) from None
+        log.debug("back in the notebook: %s%s", ", ".join(sorted(result.values)) or "no names",
+                  ", and Out" if result.has_out else "")
         shell.user_ns.update(result.values)
         for note in result.notes:
             print(note, file=sys.stderr)

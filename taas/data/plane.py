@@ -160,14 +160,12 @@ class DataPlane:
         done = len(item.ready) >= item.plan.workers
         if not (done or final) and now - item.shown_at < PROGRESS_INTERVAL:
             return
+        from taas.io.progress import prefetch_line
+
         item.shown_at = now
-        ready, total = sum(item.produced.values()), item.plan.units
-        filled = int(20 * ready / total) if total else 20
-        bar = "█" * filled + "·" * (20 - filled)
-        text = f"taas: loader `{item.name}` {bar} {ready}/{total} units ready"
+        text = prefetch_line(item.name, sum(item.produced.values()), item.plan.units, started=done)
         if done:
             item.ready_at = now
-            text += "; ranks start, loading goes on"
         if hasattr(sink, "progress"):
             sink.progress(f"data:{item.name}", "stderr", text, final=done or final)
 

@@ -9,9 +9,8 @@ cloudpickle round trip (that is how it travels to the loader workers).  No torch
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from taas.errors import RegistrationError
 
@@ -118,7 +117,7 @@ def rebound(namespace: dict, names) -> list[str]:
 
 
 def registered() -> list[str]:
-    """The registered loaders: their names in the notebook when IPython runs us, else reprs."""
+    """The registered loaders: their names in the notebook (see :func:`set_namespace_source`), else reprs."""
     names_of: dict[int, list[str]] = {}
     namespace = _user_namespace()
     for name, value in (namespace or {}).items():
@@ -155,12 +154,20 @@ def _is_generator(value) -> bool:
     return isinstance(value, (types.GeneratorType, types.AsyncGeneratorType))
 
 
+# Where the notebook's names live: a function returning the user namespace (or None), set by
+# the layer that knows the notebook (taas/__init__.py: IPython's shell when one runs).  None
+# here: plain Python, loaders are shown by repr.  The registry never looks for IPython itself.
+_namespace_source: Callable[[], dict | None] | None = None
+
+
+def set_namespace_source(source: Callable[[], dict | None] | None) -> None:
+    """Tell the registry where the notebook's names are (None: nowhere; reprs are shown)."""
+    global _namespace_source
+    _namespace_source = source
+
+
 def _user_namespace() -> dict | None:
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return None
-    shell = ipython.get_ipython()
-    return getattr(shell, "user_ns", None)
+    return _namespace_source() if _namespace_source is not None else None
 
 
 def _check_round_trip(loader) -> None:

@@ -1,1 +1,1 @@
-"""Framed output: the kernel-side output pump and failure rendering."""
+"""Text for the notebook: the kernel-side output pump, failure rendering, progress lines."""

@@ -43,6 +43,7 @@ notebook already imported.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import sys
@@ -55,6 +56,8 @@ _CHUNK = 1 << 28  # one write() call at most (Linux caps a write near 2 GiB)
 WRITERS = 8  # threads writing one big value (no more than the CPUs)
 _PART = 32 << 20  # a thread writes at least this much
 MAX_FDS = 64  # resident storages passed by descriptor in one job (a launcher passes that many)
+
+log = logging.getLogger(__name__)
 
 
 class BigValues:
@@ -135,6 +138,8 @@ class BigValues:
         if fd is None or fd < 0:  # (-1: mapped from a named file; that goes the file way)
             return None
         self.fds.append(os.dup(fd))  # ours for the job: the storage may die meanwhile
+        log.debug("tensor storage of %s travels by descriptor (resident shared memory, #%d)",
+                  _mib(untyped.nbytes()), len(self.fds) - 1)
         return len(self.fds) - 1
 
     def _make_resident(self, untyped) -> int | None:
@@ -155,6 +160,7 @@ class BigValues:
             return None
         finally:
             os.close(fd)
+        log.debug("tensor storage of %s moved to shared memory for good", _mib(nbytes))
         untyped._swap_data_ptr_(shared)  # the storage now lives in shared memory ...
         del shared  # ... and this frees the old bytes
         self._free -= nbytes
@@ -189,6 +195,7 @@ class BigValues:
     def _write(self, data: memoryview) -> str | None:
         nbytes = data.nbytes
         if not self._room(nbytes):
+            log.debug("no room in %s for %s: pickled to each rank instead", self.directory, _mib(nbytes))
             self._left_out += nbytes
             return None
         path = os.path.join(self.directory, f"taas-{self.job_id}-value{len(self.paths) + len(self._unnamed)}")
@@ -210,6 +217,7 @@ class BigValues:
             self._unnamed.append((fd, path))
         self._free -= nbytes
         self.written += nbytes
+        log.debug("large value of %s written once to %s", _mib(nbytes), path)
         return path
 
     def publish(self) -> None:

@@ -28,6 +28,7 @@ type, add its qualified name and a reducer to :data:`_TO_RANK` and/or :data:`_TO
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import sys
 import types
@@ -36,6 +37,8 @@ from typing import Callable
 import cloudpickle
 
 TO_RANK, TO_KERNEL = "to_rank", "to_kernel"
+
+log = logging.getLogger(__name__)
 
 
 # -- what arrives ------------------------------------------------------------------------------
@@ -140,6 +143,8 @@ def reducer_for(cls: type, direction: str) -> Callable | None:
     for base in getattr(cls, "__mro__", ()):
         found = registry.get(f"{base.__module__}.{base.__qualname__}")
         if found is not None:
+            log.debug("%s.%s crosses %s as %s says", cls.__module__, cls.__qualname__, direction,
+                      getattr(found, "__qualname__", found))
             break
     _by_type[key] = found
     return found

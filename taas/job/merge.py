@@ -27,6 +27,7 @@ job (the same file system's clock).  Errs towards a conflict, never towards over
 from __future__ import annotations
 
 import filecmp
+import logging
 import os
 import shutil
 import stat
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 __all__ = ["MergeReport", "merge_layers", "clock_mark"]
 
 _SHOWN = 4  # paths named in a note before "and N more"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,6 +118,9 @@ def merge_layers(target: str, layers: list[tuple[str, str]], since_ns: int,
                 os.makedirs(real)
             except OSError:
                 pass
+    log.debug("merged %s into %s: applied %s; conflicts %s; deletions not applied %s; skipped %s",
+              ", ".join(name for name, _ in layers) or "no layer", target, report.applied or "none",
+              report.conflicts or "none", report.deleted or "none", report.skipped or "none")
     return report
 
 

@@ -16,20 +16,43 @@ from __future__ import annotations
 
 import inspect
 import io
+import logging
 import pickle
 import re
 import types
 from dataclasses import dataclass, field
+from typing import Callable
 
 from taas.errors import PackagingError
 from taas.job import crossing
 from taas.job.bigvalues import BigValues
+
+log = logging.getLogger(__name__)
 
 # IPython's history names never travel: they mean nothing outside the kernel.  (``exit``,
 # ``quit`` and ``get_ipython`` do, as their plain-Python meaning: see taas.job.crossing.)
 _KERNEL_NAMES = {"In", "Out", "_ih", "_oh", "_dh", "_", "__", "___"}
 # IPython's history variables: _i, _ii, _iii, _i7 (inputs) and _7 (outputs).
 _HISTORY = re.compile(r"_(i{1,3}|i?\d+)$")
+
+# How rank 0 turns what a cell display()s into a MIME bundle: "module:factory", a class whose
+# instances have IPython's ``format(obj) -> (data, metadata)``; None: the object's repr.  The
+# notebook layer (taas.magics) chooses it in the kernel, so no layer below it names IPython,
+# and every Payload built afterwards carries it (see :func:`set_display_formatter`).
+_display_formatter: str | None = None
+
+
+def set_display_formatter(spec: str | None) -> None:
+    """Choose what later payloads tell rank 0 to format ``display()`` with (None: repr)."""
+    global _display_formatter
+    _display_formatter = spec
+
+
+def _rank_log_level() -> int | None:
+    """The ``taas`` logger's level when the user turned it below WARNING in the kernel (the
+    ranks then log at that level to their stderr, i.e. the cell); None: ranks stay silent."""
+    level = logging.getLogger("taas").getEffectiveLevel()
+    return level if level < logging.WARNING else None
 
 
 @dataclass
@@ -47,6 +70,9 @@ class Payload:
     results: bool = True
     results_to_cpu: bool = True
     loaders: dict[str, dict] = field(default_factory=dict)  # name -> data-plane settings
+    # Chosen in the kernel when the payload is built, not by the caller (see above).
+    display_formatter: str | None = field(default_factory=lambda: _display_formatter)
+    log_level: int | None = field(default_factory=_rank_log_level)
 
 
 def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | frozenset = frozenset()) -> dict:
@@ -92,15 +118,19 @@ class _StandInPickler(_Pickler):
 
 class StandIn:
     """In a rank: what arrives where the notebook had an object that must not travel (a
-    registered loader, found by name among this rank's data views)."""
+    registered loader, found by name among this rank's data views).
 
-    def __init__(self, name: str):
+    ``resolve`` (name -> object) is given by whoever unships (the rank runtime passes the data
+    plane's view lookup): packaging sits below the data plane and never imports it."""
+
+    def __init__(self, name: str, resolve: Callable[[str], object] | None = None):
         self.name = name
+        self._resolve = resolve
 
     def _target(self):
-        from taas.data.view import view_named
-
-        return view_named(self.name)
+        if self._resolve is None:
+            raise LookupError(f"no data view for registered loader {self.name!r} in this process")
+        return self._resolve(self.name)
 
     def __iter__(self):
         return iter(self._target())
@@ -109,7 +139,7 @@ class StandIn:
         return len(self._target())
 
     def __getattr__(self, attr):
-        if attr.startswith("__"):
+        if attr.startswith("__") or attr in ("name", "_resolve"):  # (not set yet: a copy)
             raise AttributeError(attr)
         return getattr(self._target(), attr)
 
@@ -118,8 +148,12 @@ class StandIn:
 
 
 class _StandInUnpickler(pickle.Unpickler):
+    def __init__(self, file, resolve: Callable[[str], object] | None):
+        super().__init__(file)
+        self._resolve = resolve
+
     def persistent_load(self, pid):
-        return StandIn(pid)
+        return StandIn(pid, self._resolve)
 
 
 def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues | None = None) -> bytes:
@@ -131,17 +165,25 @@ def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues |
     tensors are written to its shared-memory files instead of into the blob; the caller
     unlinks them after the job (here when shipping fails).
     """
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("shipping %d value(s): %s", len(values), _listing(values))
+        if stand_ins:
+            log.debug("registered loaders travel by name: %s", ", ".join(sorted(set(stand_ins.values()))))
     try:
         if not stand_ins and big is None:
-            return crossing.dumps(values, crossing.TO_RANK)
-        buffer = io.BytesIO()
-        if stand_ins:
-            _StandInPickler(buffer, stand_ins, big).dump(values)
+            blob = crossing.dumps(values, crossing.TO_RANK)
         else:
-            _Pickler(buffer, big).dump(values)
-        if big is not None:
-            big.publish()
-        return buffer.getvalue()
+            buffer = io.BytesIO()
+            if stand_ins:
+                _StandInPickler(buffer, stand_ins, big).dump(values)
+            else:
+                _Pickler(buffer, big).dump(values)
+            if big is not None:
+                big.publish()
+            blob = buffer.getvalue()
+        log.debug("payload pickle: %d bytes; large arrays in shared memory: %d bytes",
+                  len(blob), big.written if big is not None else 0)
+        return blob
     except BaseException as exc:  # find the culprit to name it
         if big is not None:
             big.unlink()
@@ -157,6 +199,11 @@ def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues |
                     f"{_reason(culprit)}. {_advice(chain)}"
                 ) from None
         raise PackagingError(f"cannot send the cell's variables to the ranks: {exc}") from None
+
+
+def _listing(values: dict) -> str:
+    """``name (type)`` for each value, for the debug trail."""
+    return ", ".join(f"{name} ({_type_name(value)})" for name, value in values.items()) or "none"
 
 
 def _advice(chain: list[str]) -> str:
@@ -219,14 +266,16 @@ def _reason(value) -> str:
     return "it cannot be pickled"
 
 
-def unship(blob: bytes) -> dict:
+def unship(blob: bytes, resolve: Callable[[str], object] | None = None) -> dict:
     """In the rank: the shipped values, in ONE namespace shared with the shipped functions.
+
+    ``resolve`` finds what a :class:`StandIn` (a registered loader) stands for, by name.
 
     cloudpickle gives every notebook function pickled in one call the same reconstructed
     globals dict; running the cell in that very dict keeps notebook semantics (a function sees
     the cell's later rebinding of a global it reads).
     """
-    values = _StandInUnpickler(io.BytesIO(blob)).load()
+    values = _StandInUnpickler(io.BytesIO(blob), resolve).load()
     namespace = None
     for value in values.values():
         g = _globals_of(value)

@@ -21,6 +21,7 @@ import builtins
 import datetime
 import faulthandler
 import linecache
+import logging
 import os
 import pickle
 import sys
@@ -33,6 +34,8 @@ from taas.job.analysis import compile_cell
 from taas.job.package import Payload, unship
 from taas.worker import comm, display, patches, report, stacks
 
+log = logging.getLogger(__name__)
+
 
 def main(spec) -> int:
     job_dir = os.environ["TAAS_JOB_DIR"]
@@ -43,11 +46,15 @@ def main(spec) -> int:
     try:
         with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
             payload: Payload = pickle.load(f)
+        _log_to_stderr(payload.log_level)
+        log.debug("rank %d of %s: %s on %s/%s, storage %s, loaders %s", rank, os.environ.get("WORLD_SIZE"),
+                  payload.filename, payload.device, payload.backend, os.environ.get("TAAS_STORAGE", "shared"),
+                  ", ".join(payload.loaders) or "none")
         stacks.start(job_dir, key, payload.filename)  # where this rank is, when the kernel asks
         if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
             print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
         _setup(payload)
-        namespace = unship(payload.names)
+        namespace = unship(payload.names, resolve=_loader_view)
         namespace.update(
             __name__="__main__", __builtins__=builtins, display=display.display
         )
@@ -55,6 +62,7 @@ def main(spec) -> int:
         _install_data_views(payload, namespace)
         out = _run_cell(payload, namespace)
         comm.report()
+        log.debug("cell done on rank %d", rank)
         if rank == 0 and payload.results:
             _write_results(job_dir, payload, namespace, out)
         _teardown()
@@ -74,6 +82,18 @@ def main(spec) -> int:
         return 1
     finally:
         faulthandler.disable()
+
+
+def _log_to_stderr(level: int | None) -> None:
+    """The kernel's ``taas`` logger was turned below WARNING: log at that level to this rank's
+    stderr (the cell, tagged ``[rankN]``).  Otherwise nothing: ranks stay silent by default."""
+    if level is None:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger = logging.getLogger("taas")
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def _setup(payload: Payload) -> None:
@@ -102,7 +122,15 @@ def _setup(payload: Payload) -> None:
     if world > 1:
         dist.barrier()  # every rank is connected before any can leave (see the docstring)
     comm.install()
-    display.install(rank=int(os.environ["RANK"]))
+    display.install(rank=int(os.environ["RANK"]), formatter=payload.display_formatter)
+
+
+def _loader_view(name: str):
+    """What a registered loader's stand-in (:class:`taas.job.package.StandIn`) refers to here:
+    this rank's view of it (packaging, a layer below, leaves the lookup to us)."""
+    from taas.data.view import view_named
+
+    return view_named(name)
 
 
 def _install_data_views(payload: Payload, namespace: dict) -> None:
@@ -145,6 +173,11 @@ def _write_results(job_dir: str, payload: Payload, namespace: dict, out) -> None
     with open(tmp, "wb") as f:
         pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(tmp, report.result_path(job_dir))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("results: %s; not brought back: %s; Out: %s",
+                  ", ".join(f"{k} ({len(v)} bytes)" for k, v in values.items()) or "none",
+                  ", ".join(skipped) or "none",
+                  "none" if out_blob is None else f"{len(out_blob)} bytes")
 
 
 def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import re
 import sys
@@ -183,6 +184,8 @@ def _write_proc(name: str, text: str) -> None:
         os.close(fd)
 
 
+log = logging.getLogger(__name__)
+
 _user_namespace = False  # this process entered a user namespace of its own
 
 
@@ -193,6 +196,7 @@ def _enter_user_namespace() -> None:
     try:
         _unshare(CLONE_NEWUSER | CLONE_NEWNS)
         _user_namespace = True
+        log.debug("entered a user namespace of its own (uid %d, gid %d)", uid, gid)
     except _Refused as exc:
         hint = {errno.ENOSPC: "user namespaces disabled or exhausted: sysctl user.max_user_namespaces",
                 errno.EINVAL: "the process has threads"}.get(exc.errno)
@@ -301,6 +305,8 @@ def make_read_only(path: str, keep_writable: Sequence[str] = ()) -> str | None:
         os.chdir(cwd)
         failure = _verify(path, keep)
         if failure is None:
+            log.debug("storage strict: %s is read-only here; writable inside it: %s", path,
+                      ", ".join(keep) or "nothing")
             return None
         reason = f"enforcement failed silently: {failure}"
     except _Refused as exc:
@@ -309,6 +315,7 @@ def make_read_only(path: str, keep_writable: Sequence[str] = ()) -> str | None:
         reason = f"{type(exc).__name__}: {exc}"
     # undo: a reason means the directory is writable as before
     reason = _undo([path] if mounted else [], cwd, reason)
+    log.debug("storage strict not enforced: %s", reason)
     return _REASON.format(" ".join(reason.split()))  # one line, whatever a path holds
 
 
@@ -341,6 +348,7 @@ def _mount_overlay(path: str, upper: str, work: str, flags: int) -> None:
     for extra in tries:
         data = os.fsencode(options + ("," + extra if extra else ""))
         if _libc.mount(b"overlay", os.fsencode(path), b"overlay", flags, data) == 0:
+            log.debug("overlay over %s, upper layer %s%s", path, upper, f" ({extra})" if extra else "")
             return
         err = err or ctypes.get_errno()
     raise _Refused(f"overlay mount: {os.strerror(err) if err else 'failed'}", err)
@@ -395,6 +403,7 @@ def mount_layer(path: str, layer: str) -> str | None:
         landed = os.path.exists(os.path.join(upper, os.path.basename(name)))
         os.unlink(name)
         if landed:
+            log.debug("storage layer: writes under %s land in %s", path, upper)
             return None
         reason = "enforcement failed silently: a test file did not land in the layer"
     except _Refused as exc:
@@ -405,6 +414,7 @@ def mount_layer(path: str, layer: str) -> str | None:
         for fd in fds:
             os.close(fd)
     reason = _undo(reversed(mounted), cwd, reason)  # undo: a reason means the directory is as before
+    log.debug("storage layer not mounted: %s", reason)
     return _LAYER_REASON.format(" ".join(reason.split()))
 
 
