@@ -68,14 +68,33 @@ def _no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.mark.parametrize("where", ["tempfile.mkdtemp", "pickle.dump"])
-def test_no_space_for_the_job_files_is_one_line(monkeypatch, where):
-    from taas import session
-    from taas.directive import JobOptions
+@pytest.mark.parametrize("where", ["mkdtemp", "write"])
+def test_no_space_for_the_job_files_is_one_line(monkeypatch, tmp_path, where):
+    """The local launcher cannot create the job's directory, or write the payload into it:
+    one line, and no directory or process is left."""
+    import builtins
+    import glob
+    import tempfile
 
-    module, name = where.split(".")
-    monkeypatch.setattr(getattr(session, module), name, _no_space)
-    with pytest.raises(LaunchError) as info:
-        session.Session(launcher=_NoLauncher()).run_cell("x = 1", {}, JobOptions(gpus=1))
+    from taas.launch import jobdir
+    from taas.launch.api import LaunchSpec, ProcessSpec
+    from taas.launch.local import LocalLauncher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    if where == "mkdtemp":
+        monkeypatch.setattr(jobdir.tempfile, "mkdtemp", _no_space)
+    else:
+        real_open = builtins.open
+        monkeypatch.setattr(builtins, "open", lambda path, mode="r", *a, **k: _no_space()
+                            if str(path).endswith("payload.pkl") else real_open(path, mode, *a, **k))
+    launcher = LocalLauncher()
+    try:
+        with pytest.raises(LaunchError) as info:
+            launcher.start(LaunchSpec("nospace", str(tmp_path), (ProcessSpec("rank0", "x:y", rank=0),),
+                                      files={"payload.pkl": b"x"}))
+    finally:
+        monkeypatch.undo()
+        launcher.shutdown()
     message = str(info.value)
     assert "\n" not in message and "No space left on device" in message and "TMPDIR" in message
+    assert glob.glob(str(tmp_path / "taas-*")) == []
