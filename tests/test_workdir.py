@@ -57,11 +57,6 @@ def test_a_working_directory_that_cannot_be_entered(tmp_path, back_home):
         shut.chmod(0o700)
 
 
-class _NoLauncher:
-    def start(self, spec):  # pragma: no cover - the job must fail before it starts
-        raise AssertionError("a job was started")
-
-
 def _no_space(*args, **kwargs):
     import errno
 
