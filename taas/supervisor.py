@@ -44,6 +44,7 @@ from taas.io.output import LineSplitter, OutputRouter
 from taas.job import merge
 from taas.job.api import Job
 from taas.launch.api import RESULT, LaunchSpec, ProcessExit, ProcessSpec, error_name, fault_name
+from taas.shield import deferred_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -228,13 +229,16 @@ class Supervisor:
                     raise hung from None
             raise exc
         finally:
-            if handle is not None:
-                handle.stop(STOP_GRACE)
-                layers.merge(handle.layers(), job.job_id, self.sink)  # failed attempts' files too
-                handle.close()
-            if plane is not None:
-                plane.finish(self.sink)
-                plane.close()  # the transport's resources (shared memory)
+            # A Ctrl-C here waits until the attempt is cleaned up (a second one cannot leave a
+            # store, pipes or files behind), then is raised.
+            with deferred_interrupt():
+                if handle is not None:
+                    handle.stop(STOP_GRACE)
+                    layers.merge(handle.layers(), job.job_id, self.sink)  # failed attempts' files too
+                    handle.close()
+                if plane is not None:
+                    plane.finish(self.sink)
+                    plane.close()  # the transport's resources (shared memory)
 
     def _spec(self, restart: int) -> LaunchSpec:
         job, plane = self.job, self.job.data

@@ -175,14 +175,17 @@ class LocalLauncher(Launcher):
             for r in readers:
                 os.close(r)
             jobdir.remove(job_dir)
+            store = None  # its listening port closes now, not when a kept traceback goes
             self._close_starter()  # it waits for fds that will not come: start afresh
             raise LaunchError(f"could not start the job ({exc}); run the cell again") from None
         except BaseException:  # LaunchError (no room) or Ctrl-C before the request went out
             for r in readers:
                 os.close(r)
             jobdir.remove(job_dir)
+            store = None  # its listening port closes now, not when a kept traceback goes
             raise
         job = LocalJob(self, attempt, readers, job_dir, store)
+        store = None  # the job owns it
         try:
             job._await_spawned()
         except BaseException:  # interrupted or failed while starting: leave nothing running
