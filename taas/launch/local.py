@@ -109,6 +109,7 @@ class LocalLauncher(Launcher):
 
     def shutdown(self) -> None:
         """Close the channel: the start process ends every job and exits."""
+        jobdir.flush()
         proc = self._proc
         for closable in (self._conn, self._sock):
             if closable is not None:
@@ -431,5 +432,5 @@ class LocalJob(JobHandle):
         self._selector.close()
         self._store = None  # closes its listening port
         if self.job_dir:
-            jobdir.remove(self.job_dir)
+            jobdir.discard(self.job_dir)
             self.job_dir = ""
