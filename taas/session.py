@@ -142,7 +142,7 @@ class Session:
         started = time.monotonic()
         try:
             if plane is not None:
-                plane.open(job_id, job_dir)
+                plane.open(job_id, self.launcher.data_transport())
             payload = package.Payload(
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device,
@@ -157,7 +157,8 @@ class Session:
                 raise _no_room("write the job's files", exc) from None
             store = _agent_store(world)
             spec = self._launch_spec(job_id, job_dir, world, store.port, plane, cwd, options.storage,
-                                     shared_fds=tuple(big.fds))  # resident big tensors
+                                     shared_fds=tuple(big.fds),  # resident big tensors
+                                     cleanups=big.cleanups())
             layers.mark()
             handle = self.launcher.start(spec)
             big.close_fds()  # every process has its own now
@@ -181,7 +182,7 @@ class Session:
             return self._results(job_dir, options)
         except JobFailed:
             stats.outcome = "failed"
-            hung = plane.hang(options.timeout, name_for) if plane is not None else None
+            hung = plane.hang(options.timeout, name_for, job_dir) if plane is not None else None
             if hung is not None:
                 raise hung from None
             raise
@@ -194,7 +195,7 @@ class Session:
                 handle.close()
             if plane is not None:
                 plane.finish(sink)
-                plane.close()  # unlinks the job's shared memory
+                plane.close()  # its transport frees the job's channels
             stats.wall_s = time.monotonic() - started
             store = None  # closes its listening port
             layers.merge(sink)  # a failed or interrupted job's files too, as rank 0's stay
@@ -209,7 +210,8 @@ class Session:
         return DataPlane.plan(values, options, world, device)
 
     def _launch_spec(self, job_id: str, job_dir: str, world: int, port: int, plane,
-                     cwd: str, storage: str = "layer", shared_fds: tuple[int, ...] = ()) -> LaunchSpec:
+                     cwd: str, storage: str = "layer", shared_fds: tuple[int, ...] = (),
+                     cleanups: tuple = ()) -> LaunchSpec:
         common = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -244,7 +246,8 @@ class Session:
         if plane is not None:
             processes.extend(plane.processes(common, storage))
         return LaunchSpec(job_id=job_id, job_dir=job_dir, cwd=cwd, processes=tuple(processes),
-                          shared_fds=shared_fds)
+                          shared_fds=shared_fds,
+                          cleanups=tuple(cleanups) + (plane.cleanups() if plane is not None else ()))
 
     def _supervise(self, handle, router: OutputRouter, sink, plane, timeout: float | None, started: float,
                    *, job_dir: str | None = None, stall: float = 0.0, name_for=None):

@@ -53,13 +53,20 @@ class LaunchSpec:
     notebook's resident big tensors) that every process of the job gets as open files of its
     own; a process finds them, in this order, by the numbers listed in its
     ``TAAS_SHARED_FDS`` environment variable (``"7,8"``).  The caller keeps its own fds and
-    may close them once :meth:`Launcher.start` returned."""
+    may close them once :meth:`Launcher.start` returned.
+
+    ``cleanups``: hooks that free what the job holds outside its processes (the data plane's
+    shared memory), each a picklable ``("package.module:function", args)``.  The launcher calls
+    ``function(*args)`` in a process of its own when the job is over (every process ended) and
+    when the kernel died with the job running; a hook must be idempotent, since the kernel
+    frees the same things itself when it can, and its errors are ignored."""
 
     job_id: str
     job_dir: str
     cwd: str
     processes: tuple[ProcessSpec, ...]
     shared_fds: tuple[int, ...] = ()
+    cleanups: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -116,3 +123,8 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop any running job and release warm state."""
+
+    def data_transport(self):
+        """The data plane's transport class for jobs of this launcher (a subclass of
+        :class:`taas.data.transport.Transport`): how units reach ranks where it puts them."""
+        raise NotImplementedError(f"{type(self).__name__} has no data transport")

@@ -120,6 +120,12 @@ class LocalLauncher(Launcher):
         self._proc = None
         self._ready = False
 
+    def data_transport(self):
+        """One machine: units travel through shared memory."""
+        from taas.data.shm_transport import ShmTransport
+
+        return ShmTransport
+
     # -- jobs ----------------------------------------------------------------------------
     def check(self, processes: int) -> None:
         """Raise LaunchError (one line) if a job of ``processes`` processes cannot start here."""
@@ -140,7 +146,7 @@ class LocalLauncher(Launcher):
             # No interrupt between the request and its fds: the channel would be out of step.
             with deferred_interrupt():
                 conn.send(("spawn", spec.job_id, spec.cwd, spec.job_dir, list(spec.processes),
-                           len(spec.shared_fds)))
+                           len(spec.shared_fds), tuple(spec.cleanups)))
                 for start in range(0, len(keys), FDS_PER_MESSAGE):
                     batch = keys[start : start + FDS_PER_MESSAGE]
                     writers = []
