@@ -119,21 +119,23 @@ def test_cleanup_hook_in_another_process_leaves_no_segment_and_no_fifo_dir():
     """A kernel that died with a job running: the launcher runs the transport's hook."""
     job_id = uuid.uuid4().hex[:12]
     transport = resolve(SHM)(job_id)
-    address = transport.channels(0, 1, [(0, 0)], 8 << 20)  # room for all three
-    endpoint = attach(address)
-    tx, rx = endpoint.sender(0), endpoint.receiver(0)
-    for u in range(3):  # lent blocks: the producer made segments of its own
-        assert tx.put(u, torch.full((100_000,), float(u)))
-    value, _ = rx.take()
-    assert torch.equal(value, torch.zeros(100_000))
-    directory = transport.cleanup()[1][1]
-    assert len(job_shm(job_id)) > 1 and os.listdir(directory)
-    run_hook(transport.cleanup())  # the kernel never closed its transport
-    assert job_shm(job_id) == []
-    assert not os.path.exists(directory)
-    tx.close()
-    rx.close()
-    transport.close()  # idempotent after the hook
+    try:
+        address = transport.channels(0, 1, [(0, 0)], 8 << 20)  # room for all three
+        endpoint = attach(address)
+        tx, rx = endpoint.sender(0), endpoint.receiver(0)
+        for u in range(3):  # lent blocks: the producer made segments of its own
+            assert tx.put(u, torch.full((100_000,), float(u)))
+        value, _ = rx.take()
+        assert torch.equal(value, torch.zeros(100_000))
+        directory = transport.cleanup()[1][1]
+        assert len(job_shm(job_id)) > 1 and os.listdir(directory)
+        run_hook(transport.cleanup())  # the kernel never closed its transport
+        assert job_shm(job_id) == []
+        assert not os.path.exists(directory)
+        tx.close()
+        rx.close()
+    finally:
+        transport.close()  # idempotent after the hook
 
 
 # -- a second transport: the plane reads control state and hooks only through the contract ------

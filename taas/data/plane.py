@@ -201,6 +201,8 @@ class DataPlane:
         if self.transport is None:
             return out
         for index, item in enumerate(self.loaders):
+            if not item.cfg:
+                continue  # open() failed before this loader's channels were made
             plan = item.plan
             control = self.transport.control(index)
             pairs = plan.pairs()

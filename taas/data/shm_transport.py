@@ -103,10 +103,13 @@ class ShmEndpoint(Endpoint):
         self._directory, self._loader = where["directory"], where["loader"]
 
     def sender(self, channel, on_wait=None):
-        return ShmSender(self.seg, channel, segment.fifo_paths(self._directory, self._loader, channel), on_wait)
+        return ShmSender(self.seg, channel, self._fifos(channel), on_wait)
 
     def receiver(self, channel, pin_memory=False):
-        return ShmReceiver(self.seg, channel, segment.fifo_paths(self._directory, self._loader, channel), pin_memory)
+        return ShmReceiver(self.seg, channel, self._fifos(channel), pin_memory)
+
+    def _fifos(self, channel: int) -> tuple[str, str]:
+        return segment.fifo_paths(self._directory, self._loader, channel)
 
     def worker(self, worker: int) -> WorkerControl:
         return _Worker(self.seg, worker)

@@ -243,7 +243,6 @@ class BigValues:
             threading.Thread(target=lambda: [_remove(p) for p in paths], name="taas-unlink",
                              daemon=True).start()
 
-
     def cleanups(self) -> tuple:
         """The files' removal as ``LaunchSpec.cleanups`` hooks, for the launcher to run when the
         job is over or the kernel died (call after :meth:`publish`: the files have names)."""
