@@ -134,7 +134,8 @@ class Session:
                           stall=options.stall, storage=options.storage,
                           show=None if options.show is None else frozenset(f"rank{r}" for r in options.show),
                           results=options.results),
-            data=plane, env=_process_env(world), shared_fds=tuple(big.fds),
+            data=plane, env=_process_env(world), shared_fds=tuple(big.fds),  # resident big tensors
+            cleanups=tuple(big.cleanups()),
         )
         stats = self.last = JobStats(job_id, world, device, backend,
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],

@@ -223,8 +223,8 @@ class Supervisor:
             raise failed
         except JobFailed as exc:
             if plane is not None and self.machine.cause is Ev.TIMEOUT:
-                fetch = handle.fetch if handle is not None else (lambda key, name: None)
-                hung = plane.hang(job.policy.timeout, self.name_for, fetch)
+                reports = (lambda key: read_report(handle, key)) if handle is not None else None
+                hung = plane.hang(job.policy.timeout, self.name_for, reports)
                 if hung is not None:
                     raise hung from None
             raise exc
@@ -256,7 +256,7 @@ class Supervisor:
             files={"payload.pkl": pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)},
             shared_fds=job.shared_fds, device=job.world.device, restart=restart,
             max_restarts=job.policy.max_restarts,
-            cleanups=tuple(plane.cleanups()) if plane is not None else (),
+            cleanups=job.cleanups + (tuple(plane.cleanups()) if plane is not None else ()),
         )
 
     # ------------------------------------------------------------------------------------

@@ -55,3 +55,18 @@ def ignore_sigterm(spec):
 def env_and_cwd(spec):
     print(os.environ.get("TAAS_TEST_VALUE"), os.getcwd(), os.getpgid(0) == os.getpid())
     return 0
+
+
+def args_size(spec):
+    print(len(spec.args[0]))
+    return 0
+
+
+# -- LaunchSpec.cleanups hooks: run in the start process ----------------------------------------
+def touch(path):
+    with open(path, "w"):
+        pass
+
+
+def failing_hook():
+    raise RuntimeError("a hook that fails must not stop the others")

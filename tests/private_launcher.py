@@ -46,6 +46,11 @@ class PrivateLauncher(Launcher):
         self.jobs = [j for j in self.jobs if not j.closed] + [job]
         return job
 
+    def data_transport(self):
+        from taas.data.shm_transport import ShmTransport  # one machine here too
+
+        return ShmTransport
+
     def shutdown(self) -> None:
         for job in self.jobs:
             job.close()
@@ -197,6 +202,14 @@ class PrivateJob(JobHandle):
             from taas.launch.jobdir import remove
 
             remove(root)
+        for entry, args in self.spec.cleanups:  # the caller frees them too; hooks are idempotent
+            module, _, function = entry.partition(":")
+            try:
+                import importlib
+
+                getattr(importlib.import_module(module), function)(*args)
+            except Exception:  # a hook's errors are ignored (launch.api: LaunchSpec.cleanups)
+                pass
         self.closed = True
 
 

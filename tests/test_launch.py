@@ -20,14 +20,15 @@ def launcher():
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def run(launcher, tmp_path, entry, n=2, env=None, timeout=300.0, stop_after=None):
+def run(launcher, tmp_path, entry, n=2, env=None, timeout=300.0, stop_after=None, args=(), cleanups=()):
     spec = LaunchSpec(
         job_id=f"t{time.monotonic_ns()}",
         cwd=str(tmp_path),
         processes=tuple(
-            ProcessSpec(key=f"rank{i}", entry=f"tests.launch_targets:{entry}", env=dict(env or {}))
+            ProcessSpec(key=f"rank{i}", entry=f"tests.launch_targets:{entry}", env=dict(env or {}), args=args)
             for i in range(n)
         ),
+        cleanups=cleanups,
     )
     job = launcher.start(spec)
     pids = job.pids
@@ -118,8 +119,10 @@ def test_stop_kills_a_process_that_ignores_sigterm(launcher, tmp_path):
 
 def test_kernel_death_takes_the_start_process_and_jobs_down(tmp_path):
     launcher = LocalLauncher()
+    freed = tmp_path / "freed"  # outside the job directory, which the start process removes
     spec = LaunchSpec("dead", str(tmp_path),
-                      (ProcessSpec("rank0", "tests.launch_targets:hang"),))
+                      (ProcessSpec("rank0", "tests.launch_targets:hang"),),
+                      cleanups=(("tests.launch_targets:touch", (str(freed),)),))
     job = launcher.start(spec)
     pids = list(job.pids.values()) + [launcher.starter_pid]
     # What a killed kernel does to the channel: its end closes.
@@ -127,6 +130,31 @@ def test_kernel_death_takes_the_start_process_and_jobs_down(tmp_path):
     launcher._sock.close()
     assert_gone(pids)
     launcher._proc.wait()
+    assert freed.exists()  # the job's cleanup hooks ran before the start process exited
+
+
+def test_cleanup_hooks_run_when_the_job_is_over(launcher, tmp_path):
+    first, last = tmp_path / "first", tmp_path / "last"
+    hooks = (("tests.launch_targets:touch", (str(first),)), ("tests.launch_targets:failing_hook", ()),
+             ("no.such.module:hook", ()), ("tests.launch_targets:touch", (str(last),)))
+    pids, exits, _ = run(launcher, tmp_path, "echo", cleanups=hooks)
+    assert exits == {"rank0": 0, "rank1": 0}
+    deadline = time.monotonic() + 60
+    while not last.exists():  # run after the last exit was reported
+        assert time.monotonic() < deadline, "the cleanup hooks did not run"
+        time.sleep(0.02)
+    assert first.exists()
+
+
+def test_a_spec_too_big_for_a_ready_child_still_starts(launcher, tmp_path):
+    """A loader worker's spec carries its loader's pickle: more than one message to a child
+    forked ahead can hold, so the start process forks that one on demand."""
+    big = b"x" * (3 << 20)
+    pids, exits, output = run(launcher, tmp_path, "args_size", n=2, args=(big,))
+    assert exits == {"rank0": 0, "rank1": 0}
+    assert output[("rank0", "stdout")] == output[("rank1", "stdout")] == f"{len(big)}\n".encode()
+    pids, exits, _ = run(launcher, tmp_path, "echo")  # the start process serves the next job as before
+    assert exits == {"rank0": 0, "rank1": 0}
 
 
 def test_kernel_death_during_a_stop_still_cleans_up(tmp_path):

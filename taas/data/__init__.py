@@ -5,10 +5,10 @@
     %%taas --cpus M --units K
                             which registered loaders the cell
                             reads, K, prefetch (plan.py: pure)
-                            loader.pkl, header segment, FIFOs --> loader:NAME:w  (worker.py, M of them)
-                            (segment.py)                            units u = w, w+M, ...  (source.py)
-                                                                    | put(u, batch)  transport.py: contract
-                                                                    v                shm.py: pooled blocks
+                            loader pickle, channels            -> loader:NAME:w  (worker.py, M of them)
+                            (the launcher's transport:              units u = w, w+M, ...  (source.py)
+                            transport.py, the contract;             | put(u, batch)
+                            shm_transport.py on one machine)        v   shm.py: pooled blocks
                                                                   rankR: NAME is a view  (view.py)
                                                                     each `for` = one pass's share
                             progress, summary  <--- events ----   (units ready, waited, bytes)

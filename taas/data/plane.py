@@ -3,24 +3,27 @@
     DataPlane.plan(values, options, world, device)   before packaging: which registered loaders
         the cell reads (taken out of ``values``: the loader goes to loader workers, the ranks get
         a view), K, prefetch; a loader without len() and no --units is a DirectiveError
-    .open(job_id, job_dir)        loader pickles, one shared-memory header per loader, FIFOs
+    .open(job_id, transport)      loader pickles; the job's transport (the launcher's choice,
+                                  :mod:`taas.data.transport`) makes each loader's channels
     .settings                     name -> what a rank's view needs (Payload.loaders)
-    .processes(env)               the loader workers' ProcessSpecs (``loader:NAME:w``)
+    .processes(env)               the loader workers' ProcessSpecs (``loader:NAME:w``), each
+                                  carrying its loader's pickle
+    .cleanups()                   the transport's cleanup hooks (LaunchSpec.cleanups)
     .on_event(key, message, sink) workers' progress -> an in-place "units ready / K" line;
                                   ranks' figures -> the summary
     .summary()                    one line per loader after the job
     .note_timeout(), .hang(...)   at --timeout: was a loader worker the culprit?
-    .close()                      unlink every segment of the job (headers and blocks)
+    .close()                      the transport releases everything of the job
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 from taas.data import plan as numbering
-from taas.data import registry, segment
+from taas.data import registry
+from taas.data.transport import LOADING, Transport, resolve
 from taas.errors import JobFailed, PackagingError
 from taas.launch.api import ProcessSpec
 
@@ -35,7 +38,6 @@ class _Loader:
     entry: registry.Entry
     length: int | None = None
     plan: numbering.Plan | None = None
-    header: segment.Segment | None = None  # the loader's header segment
     cfg: dict = field(default_factory=dict)
     produced: dict = field(default_factory=dict)  # worker -> units produced
     ready: set = field(default_factory=set)  # workers with their first slice ready
@@ -51,9 +53,8 @@ class DataPlane:
         self.world = world
         self.device = device
         self.job_id: str | None = None
-        self.job_dir: str | None = None
+        self.transport: Transport | None = None
         self.settings: dict[str, dict] = {}
-        self._fifo_fds: list[int] = []
 
     # -- before launch ---------------------------------------------------------------------
     @classmethod
@@ -84,40 +85,37 @@ class DataPlane:
         """The registered loaders as objects that must not travel to ranks (see package.ship)."""
         return {id(item.entry.loader): item.name for item in self.loaders}
 
-    def open(self, job_id: str, transport=None) -> None:
-        import tempfile
-
+    def open(self, job_id: str, transport: "type[Transport] | str") -> None:
+        """Make every loader's channels with ``transport`` (a :class:`Transport` class, or its
+        ``"module:Class"`` name) and the settings its workers and ranks attach with."""
         from taas.job import crossing
         import torch
 
+        if isinstance(transport, str):
+            transport = resolve(transport)
         self.job_id = job_id
-        self.job_dir = job_dir = tempfile.mkdtemp(prefix=f"taas-data-{job_id}-")
         self.settings = {}
+        self._timeout_snapshot = None
+        for item in self.loaders:  # a restarted job starts its figures afresh
+            item.produced, item.ready, item.stats = {}, set(), {}
+            item.ready_at, item.prefetch_s, item.shown_at = None, 0.0, 0.0
+        self.transport = transport(job_id)
         # Like a DataLoader's iter(): one draw from the kernel's torch RNG, so that a fixed
         # torch.manual_seed gives the same units to the same ranks, run after run.
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         for index, item in enumerate(self.loaders):
-            path = os.path.join(job_dir, f"loader-{index}.pkl")
             try:
                 blob = crossing.dumps(item.entry.loader, crossing.TO_RANK)  # keeps cell file names
             except Exception as exc:  # any pickling failure becomes the one-line PackagingError
                 raise PackagingError(f"cannot send registered loader `{item.name}` to loader workers: "
                                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-            with open(path, "wb") as f:
-                f.write(blob)
             plan = item.plan
-            pairs = plan.pairs()
             buffer_mb = item.entry.buffer_mb or DEFAULT_BUFFER_MB
-            layout = segment.Layout(plan.workers, len(pairs), int(buffer_mb * 2**20) // len(pairs))
-            item.header = segment.Segment.create(segment.segment_name(job_id, index), layout)
-            fifos = {c: segment.make_fifos(job_dir, index, c) for c in range(len(pairs))}
-            # A FIFO's bytes vanish when nobody has it open: a fast worker may send everything
-            # and exit before its rank opens the FIFO, so the kernel holds each one open.
-            self._fifo_fds += [os.open(path, os.O_RDWR | os.O_NONBLOCK) for two in fifos.values() for path in two]
+            address = self.transport.channels(index, plan.workers, plan.pairs(), int(buffer_mb * 2**20))
             loader = item.entry.loader
             common = dict(name=item.name, units=plan.units, workers=plan.workers, ranks=plan.ranks,
-                          prefetch=plan.prefetch, segment=item.header.name, fifos=fifos)
-            item.cfg = dict(common, pickle=path, seed=seed)
+                          prefetch=plan.prefetch, address=address)
+            item.cfg = dict(common, loader=blob, seed=seed)
             self.settings[item.name] = dict(
                 common, names=list(item.names), length=item.length,
                 batch_size=getattr(loader, "batch_size", None),
@@ -125,6 +123,11 @@ class DataPlane:
                 dataset_type=type(getattr(loader, "dataset", loader)).__name__,
                 pin_memory=bool(getattr(loader, "pin_memory", False)) and self.device == "cuda",
             )
+
+    def cleanups(self) -> tuple:
+        """Hooks that free the job's data-plane resources from another process (the launcher
+        runs them when the job is over or the kernel died): ``LaunchSpec.cleanups``."""
+        return (self.transport.cleanup(),) if self.transport is not None else ()
 
     def processes(self, env: dict, storage: str = "strict") -> list[ProcessSpec]:
         out = []
@@ -197,24 +200,24 @@ class DataPlane:
     # -- failure ---------------------------------------------------------------------------
     def snapshot(self) -> list[dict]:
         """What every loader worker is doing now, and which ranks wait for its units."""
-        now = time.monotonic()
         out = []
-        for item in self.loaders:
-            seg, plan = item.header, item.plan
-            if seg is None:
-                continue
+        if self.transport is None:
+            return out
+        for index, item in enumerate(self.loaders):
+            if not item.cfg:
+                continue  # open() failed before this loader's channels were made
+            plan = item.plan
+            control = self.transport.control(index)
+            pairs = plan.pairs()
             waiting = {}  # worker -> (rank, unit, seconds) of the longest wait on it
-            for channel, (worker, rank) in enumerate(plan.pairs()):
-                want = seg.channel(channel, segment.C_WANT)
-                if want:
-                    wait = (rank, want - 1, now - seg.want_since(channel))
-                    if worker not in waiting or wait[2] > waiting[worker][2]:
-                        waiting[worker] = wait
-            for worker in range(plan.workers):
+            for channel, (unit, waited) in control.wanted.items():
+                worker, rank = pairs[channel]
+                if worker not in waiting or waited > waiting[worker][2]:
+                    waiting[worker] = (rank, unit, waited)
+            for worker, status in enumerate(control.workers):
                 out.append(dict(
-                    loader=item.name, worker=worker, state=seg.worker(worker, segment.W_STATE),
-                    unit=seg.worker(worker, segment.W_UNIT), busy=now - seg.worker_since(worker),
-                    prefetched=bool(seg.worker(worker, segment.W_PREFETCHED)), waiting=waiting.get(worker),
+                    loader=item.name, worker=worker, state=status.state, unit=status.unit,
+                    busy=status.busy_s, prefetched=status.prefetched, waiting=waiting.get(worker),
                 ))
         return out
 
@@ -226,20 +229,16 @@ class DataPlane:
         """Every loader's first slice is ready (the ranks run)."""
         return all(item.ready_at is not None for item in self.loaders)
 
-    def cleanups(self) -> list:
-        return []
-
-    def hang(self, timeout: float | None, name_for=None, fetch=None) -> JobFailed | None:
+    def hang(self, timeout: float | None, name_for=None, read_report=None) -> JobFailed | None:
         """After --timeout: a loader worker still loading a unit that a rank waits for (or, before
         the ranks could start, one of the first slice) is the culprit -- say so, with the worker's
-        stack when it was stopped."""
+        stack when it was stopped (``read_report(key)``: its error report, or None)."""
         from taas.io import failure
-        from taas.worker import report
 
         snapshot = getattr(self, "_timeout_snapshot", None)
         if not snapshot or timeout is None:
             return None
-        loading = [s for s in snapshot if s["state"] == segment.LOADING]
+        loading = [s for s in snapshot if s["state"] == LOADING]
         stuck = [s for s in loading if s["waiting"]] or [s for s in loading if not s["prefetched"]]
         if not stuck:
             return None
@@ -252,31 +251,13 @@ class DataPlane:
             message += f" while rank{rank} waited {waited:.1f} s for unit {unit}"
         else:
             message += ", before the ranks could start (the first slice was not ready)"
-        record = None
-        if fetch is not None:
-            import json
-            data = fetch(key, f"{key}.error.json")
-            record = json.loads(data) if data else None
-        end = failure.ProcessEnd(key, 1, time.time(), record=record)
+        end = failure.ProcessEnd(key, 1, time.time(), record=read_report(key) if read_report else None)
         lines = failure.render(end, [], name_for)
         return JobFailed(message, [f"{failure.RED}{failure.BOLD}{message}{failure.RESET}"] + lines[1:], end)
 
     def close(self) -> None:
-        while self._fifo_fds:
-            os.close(self._fifo_fds.pop())
-        for item in self.loaders:
-            if item.header is not None:
-                try:
-                    item.header.close()
-                except Exception:  # closing is best effort; the segments are unlinked below regardless
-                    pass
-                item.header = None
-        if self.job_id:
-            segment.unlink_job(self.job_id)
-        if self.job_dir:
-            import shutil
-            shutil.rmtree(self.job_dir, ignore_errors=True)
-            self.job_dir = None
+        if self.transport is not None:
+            self.transport.close()
 
 
 def _read_by_functions(values: dict) -> list[tuple[str, object]]:

@@ -10,9 +10,10 @@ words::
                           since (f64)), each side writing only its own line
 
 Every shared-memory name of a job starts with ``taas-<job id>-`` (the header, and the blocks
-:mod:`taas.data.shm` creates): :func:`unlink_job` removes them all; the kernel calls it when the
-job ends, the start process when the kernel died.  Also here: the channel FIFOs (made by the
-kernel in the job directory) and the small helpers both channel ends use.
+:mod:`taas.data.shm` creates): :func:`unlink_job` removes them all; the transport
+(:mod:`taas.data.shm_transport`) calls it when the job ends, and its cleanup hook when the
+kernel died.  Also here: the channel FIFOs (made by the kernel in the transport's private
+directory) and the small helpers both channel ends use.
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ import _posixshmem
 MAGIC = 0x7461617364617461
 VERSION = 2
 GLOBAL_BYTES, WORKER_BYTES, CHANNEL_BYTES = 512, 64, 128
-# worker words
+# worker words (W_STATE: taas.data.transport.STARTING ... DONE)
 W_PRODUCED, W_STATE, W_UNIT, W_SINCE, W_PREFETCHED = range(5)
-STARTING, LOADING, BLOCKED, DONE = range(4)
-STATE_NAMES = {STARTING: "starting", LOADING: "loading", BLOCKED: "waiting for buffer space", DONE: "done"}
 # channel words: producer line, consumer line (its own cache line)
 C_SENT_MSGS, C_SENT_BYTES, C_UNITS, C_WAITING = 0, 1, 2, 3
 C_TAKEN_MSGS, C_TAKEN_BYTES, C_PID, C_CLOSED, C_WANT, C_WANT_SINCE = 8, 9, 10, 11, 12, 13
@@ -162,9 +161,14 @@ class Segment:
         self.mm.close()
 
 
+def fifo_paths(directory: str, loader: int, channel: int) -> tuple[str, str]:
+    """A channel's two FIFOs: ``data`` (producer -> consumer), ``space`` (back)."""
+    return (os.path.join(directory, f"data-{loader}-{channel}.fifo"),
+            os.path.join(directory, f"space-{loader}-{channel}.fifo"))
+
+
 def make_fifos(directory: str, loader: int, channel: int) -> tuple[str, str]:
-    paths = (os.path.join(directory, f"data-{loader}-{channel}.fifo"),
-             os.path.join(directory, f"space-{loader}-{channel}.fifo"))
+    paths = fifo_paths(directory, loader, channel)
     for path in paths:
         os.mkfifo(path, 0o600)
     return paths

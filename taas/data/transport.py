@@ -1,6 +1,27 @@
-"""How units travel from a loader worker to a rank: the contract, and the unit codec.
+"""How units travel from a loader worker to a rank: the transport contract, and the unit codec.
 
-The contract is one channel per (worker, rank) pair, a bounded FIFO of records in unit order::
+A *transport* moves one job's units and keeps its control state.  The launcher picks it
+(``Launcher.data_transport()``), so a cross-machine transport can replace shared memory without
+views, workers or plans changing.  Three sides::
+
+    kernel (plane.py), one per job           Transport(job_id)
+        .channels(loader, workers, pairs, buffer_bytes) -> Address   one loader's channels
+        .control(loader) -> ControlState     workers' state, ranks' wanted units (hang report)
+        .close()                             release everything (the job is over)
+        .cleanup() -> (entry, args)          a hook that frees the job's resources from another
+                                             process (the launcher's, when the kernel died)
+    loader worker (worker.py)                attach(address) -> Endpoint
+        .sender(channel, on_wait) -> Sender  the producer end of a (worker, rank) channel
+        .worker(w) -> WorkerControl          state and unit, units produced, first slice ready
+    rank (view.py)                           attach(address) -> Endpoint
+        .receiver(channel, pin) -> Receiver  the consumer end
+        .want(channel, unit), .prefetched(w) the unit it waits for; the workers' readiness
+
+The :class:`Address` is small and picklable: it travels in the workers' and ranks' settings and
+names the :class:`Endpoint` class that reads it.  Channels are numbered as the plan numbers
+(worker, rank) pairs; ``control`` states are :data:`STARTING` ... :data:`DONE`.
+
+A channel is a bounded FIFO of records in unit order::
 
     producer side                              consumer side
     Sender.put(unit, value) -> bool            Receiver.peek() -> Header   (waits for a record)
@@ -9,8 +30,9 @@ The contract is one channel per (worker, rank) pair, a bounded FIFO of records i
     Sender.end_pass(pass_index, end_unit)      Receiver.close()   (the producer stops sending)
     Sender.close()
 
-On one machine :mod:`taas.data.shm` implements it with a ring per pair in a shared-memory
-segment; a multi-node transport implements the same two classes.
+On one machine :mod:`taas.data.shm_transport` implements it (a ring of pooled shared-memory
+blocks per pair, :mod:`taas.data.shm`; control words in a header segment per loader,
+:mod:`taas.data.segment`).
 
 The codec keeps tensors out of pickle: :func:`encode` pickles a unit's structure (tuples,
 lists, dicts, namedtuples, dataclasses, strings, numbers, ...) with cloudpickle, replacing each
@@ -23,10 +45,11 @@ from __future__ import annotations
 
 import abc
 import functools
+import importlib
 import io
 import pickle
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import cloudpickle
 
@@ -79,6 +102,128 @@ class Receiver(abc.ABC):
 
     def close(self) -> None:
         pass
+
+
+# -- the transport ---------------------------------------------------------------------------
+STARTING, LOADING, BLOCKED, DONE = range(4)  # a loader worker's state
+STATE_NAMES = {STARTING: "starting", LOADING: "loading", BLOCKED: "waiting for buffer space", DONE: "done"}
+
+Hook = tuple  # (entry "module:function", args tuple): function(*args) frees a job's resources
+
+
+def resolve(name: str):
+    """The object ``"package.module:attr"`` names (a transport class, an endpoint class)."""
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where one loader's channels are, for the processes that attach to them: ``endpoint``
+    names the :class:`Endpoint` class (``"module:Class"``), ``where`` is its own (picklable,
+    small: it travels in every worker's and rank's settings)."""
+
+    endpoint: str
+    where: object
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    state: int  # STARTING, LOADING, BLOCKED or DONE
+    unit: int  # the unit it loads (LOADING) or waits to send (BLOCKED)
+    busy_s: float  # seconds since it entered that state
+    prefetched: bool  # its first slice is ready
+    produced: int  # units sent so far
+
+
+@dataclass(frozen=True)
+class ControlState:
+    """One loader's control state as the kernel reads it (progress, hang reports)."""
+
+    workers: list  # WorkerStatus per worker
+    wanted: dict  # channel -> (unit, seconds waited) for each rank waiting for a unit
+
+
+class Transport(abc.ABC):
+    """The kernel side of a job's transport: makes the channels, reads the control state,
+    releases it all.  One per job (``Transport(job_id)``)."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+
+    @abc.abstractmethod
+    def channels(self, loader: int, workers: int, pairs: Sequence[tuple[int, int]],
+                 buffer_bytes: int) -> Address:
+        """Create loader ``loader``'s control state for ``workers`` workers and one channel per
+        (worker, rank) pair of ``pairs`` (channel i is ``pairs[i]``), bounded to
+        ``buffer_bytes`` in flight in all; the address its processes attach with."""
+
+    @abc.abstractmethod
+    def control(self, loader: int) -> ControlState:
+        """What loader ``loader``'s workers are doing now, and which ranks wait for a unit."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything of the job (the job is over).  Idempotent."""
+
+    @abc.abstractmethod
+    def cleanup(self) -> Hook:
+        """A picklable ``(entry, args)`` whose ``entry(*args)``, run in another process, frees
+        what :meth:`close` would: the launcher runs it if the kernel cannot (it died)."""
+
+
+class WorkerControl(abc.ABC):
+    """A loader worker's control state, which the kernel and the ranks read."""
+
+    @abc.abstractmethod
+    def set_state(self, state: int, unit: int = 0) -> None:
+        """Entering ``state`` (LOADING, BLOCKED, DONE) about ``unit``; its clock starts now."""
+
+    @abc.abstractmethod
+    def produced(self, count: int) -> None:
+        """``count`` units sent so far."""
+
+    @abc.abstractmethod
+    def prefetched(self) -> None:
+        """The first slice is ready: ranks may start."""
+
+
+class Endpoint(abc.ABC):
+    """A loader worker's or a rank's attachment to one loader's channels (:func:`attach`).
+    Whatever it maps or opens lives as long as the process, or until :meth:`close`."""
+
+    def __init__(self, address: Address):
+        self.address = address
+
+    # worker side
+    @abc.abstractmethod
+    def sender(self, channel: int, on_wait: Callable[[bool], None] | None = None) -> Sender:
+        """The producer end of ``channel``; ``on_wait(True/False)`` brackets waiting for space."""
+
+    @abc.abstractmethod
+    def worker(self, worker: int) -> WorkerControl:
+        """Where loader worker ``worker`` reports its state."""
+
+    # rank side
+    @abc.abstractmethod
+    def receiver(self, channel: int, pin_memory: bool = False) -> Receiver:
+        """The consumer end of ``channel`` (``pin_memory``: tensors arrive in pinned memory)."""
+
+    @abc.abstractmethod
+    def want(self, channel: int, unit: int | None) -> None:
+        """The rank on ``channel`` waits for ``unit`` now (None: it no longer waits)."""
+
+    @abc.abstractmethod
+    def prefetched(self, worker: int) -> bool:
+        """Worker ``worker`` has its first slice ready."""
+
+    def close(self) -> None:
+        pass
+
+
+def attach(address: Address) -> Endpoint:
+    """A job process's endpoint for ``address`` (made by the kernel's :class:`Transport`)."""
+    return resolve(address.endpoint)(address)
 
 
 # -- codec -----------------------------------------------------------------------------------

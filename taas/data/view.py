@@ -19,9 +19,8 @@ import os
 import threading
 import time
 
-from taas.data import segment, shm
 from taas.data.plan import Plan, share
-from taas.data.transport import PASS_END
+from taas.data.transport import PASS_END, attach
 from taas.worker import events
 
 _views: list["LoaderView"] = []
@@ -57,7 +56,7 @@ def close_views() -> None:
         view = _views.pop()
         try:
             view._close()
-        except Exception:  # at exit, best effort: the segments die with the job anyway
+        except Exception:  # at exit, best effort: the transport's resources die with the job anyway
             pass
 
 
@@ -143,14 +142,13 @@ class LoaderView:
         self._length = cfg["length"]
         self.batch_size = cfg.get("batch_size")
         self.dataset = _DatasetInfo(cfg.get("dataset_len"), cfg.get("dataset_type", "dataset"))
-        self._seg = segment.Segment.attach(cfg["segment"])
+        self._endpoint = attach(cfg["address"])
         self._rx = {}
         self._channel = {}
         for worker in self._plan.workers_of(rank):
             channel = self._plan.channel(worker, rank)
             self._channel[worker] = channel
-            self._rx[worker] = shm.ShmReceiver(self._seg, channel, tuple(cfg["fifos"][channel]),
-                                               cfg.get("pin_memory", False))
+            self._rx[worker] = self._endpoint.receiver(channel, cfg.get("pin_memory", False))
         self._next = rank  # the next unit this rank takes
         self._pass = 0  # the pass the next `for` iterates
         self._starts = {0: 0}  # pass -> its first unit
@@ -177,9 +175,9 @@ class LoaderView:
             if item is None:  # not read yet: this rank waits for data
                 channel = self._channel[u % plan.workers]
                 waited = time.perf_counter()
-                self._seg.set_want(channel, u)
+                self._endpoint.want(channel, u)
                 item = self._reader.first(wait=True)
-                self._seg.set_want(channel, None)
+                self._endpoint.want(channel, None)
                 self._wait += time.perf_counter() - waited
             kind, a, b, nbytes = item
             if kind == "end":  # pass a ended before unit b
@@ -218,8 +216,8 @@ class LoaderView:
 
     # -- life cycle ------------------------------------------------------------------------
     def _await_prefetch(self) -> None:
-        seg, workers = self._seg, range(self._plan.workers)
-        while not all(seg.worker(w, segment.W_PREFETCHED) for w in workers):
+        endpoint, workers = self._endpoint, range(self._plan.workers)
+        while not all(endpoint.prefetched(w) for w in workers):
             time.sleep(0.005)
 
     def _close(self) -> None:

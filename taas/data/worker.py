@@ -1,6 +1,7 @@
 """A loader worker: one process of a job that iterates a registered loader and sends units.
 
-    load loader.pkl -> attach the segment -> one sender per rank it feeds
+    unpickle the loader (cfg["loader"]) -> attach to the transport (cfg["address"])
+    -> one sender per rank it feeds
     -> for its units (source.units): fetch, put (blocks while the channel is full)
     -> pass ends to every rank it feeds -> exit 0
 
@@ -21,8 +22,9 @@ import sys
 import threading
 import time
 
-from taas.data import segment, shm, source
+from taas.data import source
 from taas.data.plan import Plan
+from taas.data.transport import BLOCKED, DONE, LOADING, attach
 from taas.worker import events, report
 
 PROGRESS_INTERVAL = 0.1
@@ -64,27 +66,24 @@ def _run(cfg: dict, state: dict) -> int:
     torch.set_num_threads(1)
     name, worker = cfg["name"], cfg["worker"]
     plan = Plan(cfg["units"], cfg["workers"], cfg["ranks"], cfg["prefetch"])
-    with open(cfg["pickle"], "rb") as f:
-        loader = cloudpickle.load(f)
-    seg = segment.Segment.attach(cfg["segment"])
-    progress = _Progress(seg, name, worker, plan.prefetch_of(worker))
+    loader = cloudpickle.loads(cfg["loader"])
+    endpoint = attach(cfg["address"])
+    control = endpoint.worker(worker)
+    progress = _Progress(control, name, worker, plan.prefetch_of(worker))
 
     def on_wait(waiting: bool) -> None:
         if waiting:
-            seg.set_worker_state(worker, segment.BLOCKED, state["unit"] or 0)
+            control.set_state(BLOCKED, state["unit"] or 0)
             progress.ready()  # a full buffer is as ready as it gets
         else:
-            seg.set_worker_state(worker, segment.LOADING, state["unit"] or 0)
+            control.set_state(LOADING, state["unit"] or 0)
 
-    senders = {}
-    for rank in plan.ranks_of(worker):
-        channel = plan.channel(worker, rank)
-        senders[rank] = shm.ShmSender(seg, channel, tuple(cfg["fifos"][channel]), on_wait)
+    senders = {rank: endpoint.sender(plan.channel(worker, rank), on_wait) for rank in plan.ranks_of(worker)}
     _watchdog(senders)
 
     def on_fetch(unit: int) -> None:
         state["unit"] = unit
-        seg.set_worker_state(worker, segment.LOADING, unit)
+        control.set_state(LOADING, unit)
 
     def skip(unit: int) -> bool:
         return senders[unit % plan.ranks].gone
@@ -108,16 +107,17 @@ def _run(cfg: dict, state: dict) -> int:
                 sender.end_pass(a, b)
         if all(sender.gone for sender in senders.values()):
             break
-    seg.set_worker_state(worker, segment.DONE)
+    control.set_state(DONE)
     progress.done(produced)
     return 0
 
 
 class _Progress:
-    """Status in the segment (what ranks poll) and throttled events (what the notebook shows)."""
+    """Status in the transport's control state (what ranks poll) and throttled events (what
+    the notebook shows)."""
 
-    def __init__(self, seg, name: str, worker: int, prefetch: int):
-        self.seg, self.name, self.worker, self.prefetch = seg, name, worker, prefetch
+    def __init__(self, control, name: str, worker: int, prefetch: int):
+        self.control, self.name, self.worker, self.prefetch = control, name, worker, prefetch
         self.count = 0
         self.sent_at = 0.0
         self.is_ready = False
@@ -126,7 +126,7 @@ class _Progress:
 
     def produced(self, count: int) -> None:
         self.count = count
-        self.seg.set_worker(self.worker, segment.W_PRODUCED, count)
+        self.control.produced(count)
         if count >= self.prefetch and not self.is_ready:
             self.ready()
         elif time.monotonic() - self.sent_at >= PROGRESS_INTERVAL:
@@ -135,12 +135,12 @@ class _Progress:
     def ready(self) -> None:
         if not self.is_ready:
             self.is_ready = True
-            self.seg.set_worker(self.worker, segment.W_PREFETCHED, 1)
+            self.control.prefetched()
             self._send()
 
     def done(self, count: int) -> None:
         self.count = count
-        self.seg.set_worker(self.worker, segment.W_PRODUCED, count)
+        self.control.produced(count)
         self.ready()
         self._send(done=True)
 

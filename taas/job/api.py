@@ -42,3 +42,4 @@ class Job:
     data: object = None  # taas.data.plane.DataPlane or None: registered loaders the cell reads
     env: dict = field(default_factory=dict)  # added to every process's environment
     shared_fds: tuple[int, ...] = ()  # read-only files every process gets (big values)
+    cleanups: tuple = ()  # hooks that free the job's files if the kernel dies (LaunchSpec.cleanups)

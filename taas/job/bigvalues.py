@@ -32,9 +32,9 @@ launcher passes the file's descriptor to every process (:attr:`BigValues.fds`,
 already shared by descriptor (``share_memory_()``) travels the same way.  The one difference a
 user can see: such a storage cannot be resized in place any more, as after ``share_memory_()``.
 
-The files are named like the data plane's segments, so the kernel's cleanup after the job
-(:meth:`BigValues.unlink`, and ``segment.unlink_job``) and the start process's cleanup when the
-kernel dies remove them too.
+The kernel removes the files after the job (:meth:`BigValues.unlink`); the launcher removes
+them too, when the job's processes ended or the kernel died (:meth:`BigValues.cleanups`, a
+``LaunchSpec.cleanups`` hook).
 
 No torch or numpy import at module level: the kernel side only looks at types of modules the
 notebook already imported.
@@ -235,8 +235,9 @@ class BigValues:
         """Remove the files (after the job, or when shipping failed).  Ranks that still map
         one keep their mapping; the memory is freed when the last one unmaps.
 
-        Freeing a GiB takes ~0.2 s: ``wait=False`` leaves that to a thread (the start process
-        also unlinks a job's files when its last process ended, so nothing depends on it)."""
+        Freeing a GiB takes ~0.2 s: ``wait=False`` leaves that to a thread (the launcher also
+        removes them when the job's last process ended, :meth:`cleanups`, so nothing depends
+        on it)."""
         for fd, _ in self._unnamed:
             os.close(fd)
         self._unnamed.clear()
@@ -250,6 +251,10 @@ class BigValues:
             threading.Thread(target=lambda: [_remove(p) for p in paths], name="taas-unlink",
                              daemon=True).start()
 
+    def cleanups(self) -> tuple:
+        """The files' removal as ``LaunchSpec.cleanups`` hooks, for the launcher to run when the
+        job is over or the kernel died (call after :meth:`publish`: the files have names)."""
+        return ((f"{__name__}:remove_files", (tuple(self.paths),)),) if self.paths else ()
 
     def close_fds(self) -> None:
         """Close our duplicates of the resident files (once the launcher has passed them on)."""
@@ -383,6 +388,12 @@ def _link(fd: int, path: str) -> None:
 
 
 _AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
+
+
+def remove_files(paths: tuple[str, ...]) -> None:
+    """The :meth:`BigValues.cleanups` hook: remove a job's files (from any process)."""
+    for path in paths:
+        _remove(path)
 
 
 def _remove(path: str) -> None:

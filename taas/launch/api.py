@@ -94,9 +94,12 @@ class LaunchSpec:
     environment variable (``"7,8"``).  The caller keeps its own fds and may close them once
     :meth:`Launcher.start` returned.  ``device``: ``"cuda"`` places one rank per GPU.
     ``restart``/``max_restarts``: which attempt this is (``TORCHELASTIC_RESTART_COUNT``).
-    ``cleanups``: ``("module:function", args)`` hooks that free resources the job's processes
-    share outside the launcher (the data plane's transport); the launcher runs them when the
-    attempt is over if the caller could not (the kernel died)."""
+
+    ``cleanups``: hooks that free what the job holds outside its processes (the data plane's
+    shared memory), each a picklable ``("package.module:function", args)``.  The launcher calls
+    ``function(*args)`` in a process of its own when the attempt is over (every process ended)
+    and when the kernel died with the attempt running; a hook must be idempotent, since the
+    kernel frees the same things itself when it can, and its errors are ignored."""
 
     job_id: str
     cwd: str
@@ -196,3 +199,8 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop any running job and release warm state."""
+
+    def data_transport(self):
+        """The data plane's transport class for jobs of this launcher (a subclass of
+        :class:`taas.data.transport.Transport`): how units reach ranks where it puts them."""
+        raise NotImplementedError(f"{type(self).__name__} has no data transport")

@@ -123,10 +123,13 @@ class LocalLauncher(Launcher):
         self._proc = None
         self._ready = False
 
-    # -- jobs ----------------------------------------------------------------------------
     def data_transport(self):
-        return None  # interim: the data plane makes its own shared memory
+        """One machine: units travel through shared memory."""
+        from taas.data.shm_transport import ShmTransport
 
+        return ShmTransport
+
+    # -- jobs ----------------------------------------------------------------------------
     def check(self, processes: int, device: str = "cpu") -> None:
         """Raise LaunchError (one line) if a job of ``processes`` processes cannot start here."""
         check_fd_limit(processes)
@@ -156,7 +159,7 @@ class LocalLauncher(Launcher):
             # No interrupt between the request and its fds: the channel would be out of step.
             with deferred_interrupt():
                 conn.send(("spawn", attempt, spec.cwd, job_dir, processes,
-                           len(spec.shared_fds)))
+                           len(spec.shared_fds), tuple(spec.cleanups)))
                 for start in range(0, len(keys), FDS_PER_MESSAGE):
                     batch = keys[start : start + FDS_PER_MESSAGE]
                     writers = []

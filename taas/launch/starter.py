@@ -10,7 +10,9 @@ namespaces (see :mod:`taas.worker.storage`).
 Protocol, over a private Unix socketpair inherited from the kernel (no address anyone else
 can reach; pickles only ever cross between these two processes)::
 
-    kernel -> starter   ("spawn", job_id, cwd, job_dir, [ProcessSpec...])  then, as ancillary data
+    kernel -> starter   ("spawn", job_id, cwd, job_dir, [ProcessSpec...], shared, cleanups)
+                        (shared: the number of LaunchSpec.shared_fds; cleanups: its hooks, run
+                        when the job is over or the kernel died)  then, as ancillary data
                         on the same socket, three write-end fds per process
                         (stdout, stderr, events)
     starter -> kernel   ("spawned", job_id, {key: pid})  or  ("error", job_id, message)
@@ -79,6 +81,7 @@ class _Job:
         self.live: dict[int, str] = {}  # pid -> key
         self.kill_at: float | None = None  # SIGKILL deadline once a stop was asked
         self.stop_asked = False
+        self.cleanups: tuple = ()  # LaunchSpec.cleanups: run once every process ended, or at shutdown
 
 
 class Starter:
@@ -141,8 +144,8 @@ class Starter:
             time.sleep(0.01)
         for job_dir in job_dirs:  # the kernel cannot clean up after itself any more
             shutil.rmtree(job_dir, ignore_errors=True)
-        for job_id in list(self.jobs):
-            _unlink_shared_memory(job_id)
+        for job in list(self.jobs.values()):
+            _run_cleanups(job.cleanups)
 
     def _tell(self, message: tuple) -> None:
         """Send to the kernel; if it is gone, the next recv sees EOF and shuts us down (a
@@ -153,10 +156,12 @@ class Starter:
             pass
 
     # -- messages --------------------------------------------------------------------------
-    def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list, shared: int = 0) -> None:
+    def _on_spawn(self, job_id: str, cwd: str, job_dir: str, specs: list, shared: int = 0,
+                  cleanups: tuple = ()) -> None:
         fds = _recv_fds(self.sock, 3 * len(specs) + shared)
         shared_fds = fds[3 * len(specs):]  # every process gets these (LaunchSpec.shared_fds)
         job = self.jobs[job_id] = _Job(job_id, job_dir)
+        job.cleanups = cleanups
         pids: dict[str, int] = {}
         starter = os.getpid()
         self.ready_target = min(max(len(specs), 1), 64)
@@ -204,10 +209,13 @@ class Starter:
             self.ready[pid] = ours
 
     def _hand_to_ready_child(self, spec, cwd: str, fds: list[int]) -> int | None:
+        message = pickle.dumps((spec, cwd))
+        if self.ready and len(message) > _ready_message_max(next(iter(self.ready.values()))):
+            return None  # too big for one message (a loader worker carries its loader): fork on demand
         while self.ready:
             pid, channel = self.ready.popitem()
             try:
-                socket.send_fds(channel, [pickle.dumps((spec, cwd))], fds)
+                socket.send_fds(channel, [message], fds)
                 return pid
             except OSError:  # it died meanwhile: reaped as an unknown child
                 _killpg(pid, signal.SIGKILL)
@@ -251,7 +259,7 @@ class Starter:
         if job.live:
             return
         self._kill_orphans()
-        _unlink_shared_memory(job.job_id)  # the data plane's segments (the kernel does it too)
+        _run_cleanups(job.cleanups)  # e.g. the data plane's shared memory (the kernel frees it too)
         if job.stop_asked:
             self._tell(("stopped", job.job_id))
         del self.jobs[job.job_id]
@@ -318,17 +326,19 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
-def _unlink_shared_memory(job_id: str) -> None:
-    try:
-        from taas.data.segment import unlink_job
-
-        unlink_job(job_id)
-    except Exception:  # cleanup must not stop the start process; the kernel unlinks too
-        pass
+def _run_cleanups(hooks) -> None:
+    """Run a job's LaunchSpec.cleanups: ``("module:function", args)`` each."""
+    for entry, args in hooks:
+        try:
+            module, _, name = entry.partition(":")
+            getattr(importlib.import_module(module), name)(*args)
+        except Exception:  # whatever a hook raises must not stop the start process; the kernel frees it too
+            pass
 
 
 # LaunchSpec.shared_fds one job may pass: they go to a ready child in one message, with its 3 pipes.
 MAX_SHARED_FDS = 64
+READY_MESSAGE_MAX = 1 << 20  # bytes: the largest (spec, cwd) pickle a ready child reads
 
 # How many fds one SCM_RIGHTS message may carry (Linux: SCM_MAX_FD = 253).
 FDS_PER_MESSAGE = 240
@@ -366,7 +376,7 @@ def _ready_child(channel: socket.socket, private: tuple[int, ...], starter: int)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != starter:
             os._exit(0)
-        message, fds, _, _ = socket.recv_fds(channel, 1 << 20, 3 + MAX_SHARED_FDS)
+        message, fds, _, _ = socket.recv_fds(channel, READY_MESSAGE_MAX, 3 + MAX_SHARED_FDS)
         channel.close()
     except BaseException:  # a child forked ahead must never return into the start process's code
         os._exit(70)
@@ -374,6 +384,12 @@ def _ready_child(channel: socket.socket, private: tuple[int, ...], starter: int)
         os._exit(0)
     spec, cwd = pickle.loads(message)
     _child(spec, cwd, fds, (), starter)
+
+
+def _ready_message_max(channel: socket.socket) -> int:
+    """The largest spec a ready child can receive: one datagram (the socket's send buffer
+    less its overhead), and no more than the child reads."""
+    return min(channel.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 32, READY_MESSAGE_MAX)
 
 
 def _set_name(name: str) -> None:
