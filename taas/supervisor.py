@@ -160,6 +160,7 @@ class Supervisor:
         self.on_state = on_state or (lambda state: None)  # the session's status line
         self.outcome = Outcome()
         self._stacks: dict[str, dict] = {}  # rank key -> its latest "stack" event
+        self._done: set[str] = set()  # ranks that ran the cell to its end (a "done" event)
 
     def _on(self, event: Ev) -> State:
         state = self.machine.on(event)
@@ -188,6 +189,7 @@ class Supervisor:
         raises when the job ends failed."""
         job, plane, restart = self.job, self.job.data, self.machine.restarts
         handle = None
+        self._done = set()
         layers = merge.Layers(job.cwd, job.policy.storage == "layer"
                               and (job.world.size > 1 or plane is not None))
         try:
@@ -278,14 +280,19 @@ class Supervisor:
         def stopping() -> bool:
             return self.machine.state is S.STOPPING
 
+        ranks = {k for k in keys if k.startswith("rank")}
+        finishing = False  # every rank said "done": the rest of their exit is ours to cut short
+
         def deliver(events) -> None:
             nonlocal last_output, stalled
             for event in events:
                 if isinstance(event, ProcessExit):
-                    ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time(),
-                                                         stopped=stopping())
+                    code = event.returncode
+                    if finishing and code < 0:
+                        code = 0  # ended by us after the cell was done everywhere: a success
+                    ends[event.key] = failure.ProcessEnd(event.key, code, time.time(), stopped=stopping())
                     log.debug("%s exited with %d", event.key, event.returncode)
-                    if event.returncode != 0 and not stopping():
+                    if code != 0 and not stopping():
                         self._on(Ev.FAILURE)
                         handle.stop(STOP_GRACE)
                 elif event.stream != "events":
@@ -311,6 +318,13 @@ class Supervisor:
             while len(ends) < len(keys):
                 deliver(handle.events(POLL))
                 router.tick()
+                if not finishing and not stopping() and ranks <= self._done:
+                    # Every rank ran the cell to its end and sent all it had (rank.py,
+                    # _teardown): end the processes now rather than wait for their teardown.
+                    finishing = True
+                    log.debug("every rank is done: ending the job's processes")
+                    handle.stop(STOP_GRACE)
+                    continue
                 if (stall and not stopping() and not stalled and len(ends) < len(keys)
                         and time.monotonic() - last_output > stall):
                     stalled, since = True, last_output
@@ -364,6 +378,8 @@ class Supervisor:
             self.sink.display(message.get("data", {}), message.get("metadata", {}))
         elif kind == "stack":
             self._stacks[key] = message
+        elif kind == "done":
+            self._done.add(key)
         elif kind == "comm":
             self.outcome.comm_ops[key] = message.get("ops")
         elif kind.startswith("data.") and plane is not None:

@@ -270,6 +270,24 @@ def test_killed_kernel_leaves_no_worker(workdir):
         k.shutdown()
 
 
+def test_kernel_killed_right_after_a_job_leaves_no_job_directory(workdir):
+    """A finished job's directory is removed in the background (taas.launch.jobdir.discard); a
+    kernel killed before that is done leaves nothing either (its guard removes the rest)."""
+    import glob
+    import tempfile
+
+    k = Kernel(str(workdir))
+    try:
+        run = k.run("%%taas --gpus 2\nimport os\nfor i in range(200):\n    open(os.path.join(os.environ['TAAS_SCRATCH'], str(i)), 'w').close()")
+        assert run.error is None, run.traceback
+        tree = [p.pid for p in k.descendants()]
+        os.kill(k.pid, signal.SIGKILL)
+        assert wait_until_gone(tree, timeout=5) == []
+        assert glob.glob(os.path.join(tempfile.gettempdir(), f"taas-trash-{k.pid}-*")) == []
+    finally:
+        k.shutdown()
+
+
 def test_two_kernels_run_jobs_at_the_same_time(workdir):
     a, b = Kernel(str(workdir)), Kernel(str(workdir))
     try:

@@ -53,6 +53,7 @@ class LocalLauncher(Launcher):
         """Start the start process in the background if it is not running."""
         if self._proc is not None and self._proc.poll() is None:
             return
+        jobdir.sweep()  # what a kernel that died left to remove
         self._close_starter()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

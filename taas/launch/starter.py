@@ -495,7 +495,7 @@ def main() -> None:
     pid = os.fork()
     if pid:
         os.close(fd)  # the kernel's channel is the start process's alone (EOF when it goes)
-        _guard(pid)
+        _guard(pid, kernel)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGCHLD})
     if os.getppid() != guard:
@@ -517,7 +517,7 @@ def main() -> None:
     Starter(conn, sock).serve()
 
 
-def _guard(starter: int) -> None:
+def _guard(starter: int, kernel: int) -> None:
     """The guard's life: wait until the start process exits or the kernel dies (SIGTERM),
     then kill everything below us and exit.  SIGTERM and SIGCHLD are blocked: sigwait.
 
@@ -538,7 +538,20 @@ def _guard(starter: int) -> None:
     while not _reaped(starter) and time.monotonic() < deadline:
         signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - time.monotonic()))
     _kill_all_children()
+    _remove_kernel_trash(kernel)
     os._exit(0)
+
+
+def _remove_kernel_trash(kernel: int) -> None:
+    """Job directories the kernel renamed away to remove in the background
+    (:func:`taas.launch.jobdir.discard`) and could not finish, because it died."""
+    import glob
+    import tempfile
+
+    from taas.launch.jobdir import remove
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"taas-trash-{kernel}-*")):
+        remove(path)
 
 
 def _reaped(pid: int) -> bool:
