@@ -181,6 +181,10 @@ class Supervisor:
                     if self.machine.state is S.STOPPING:
                         self._on(Ev.STOPPED)
                 raise
+            except BaseException:  # a loader that cannot be sent, no room for the files: re-raised
+                if self.machine.state is S.PREPARING:
+                    self._on(Ev.LAUNCH_FAILED)
+                raise
             self._on(Ev.RESTART)
             self.outcome.restarts = self.machine.restarts
 

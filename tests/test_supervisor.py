@@ -201,3 +201,16 @@ def test_a_launch_error_fails_the_job_at_once():
     with pytest.raises(LaunchError):
         supervisor.run()
     assert supervisor.machine.history == [S.PREPARING, S.FAILED]
+
+
+def test_an_error_while_preparing_fails_the_job():
+    """Anything that goes wrong before the processes start (a registered loader that cannot
+    be sent, say) ends the job as failed, not stuck in PREPARING."""
+    class Broken(ScriptedLauncher):
+        def start(self, spec):
+            raise OSError("the disk went away")
+
+    supervisor = Supervisor(Broken([]), _job(), Sink())
+    with pytest.raises(OSError):
+        supervisor.run()
+    assert supervisor.machine.history == [S.PREPARING, S.FAILED]
