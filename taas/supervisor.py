@@ -161,6 +161,9 @@ class Supervisor:
         self.outcome = Outcome()
         self._stacks: dict[str, dict] = {}  # rank key -> its latest "stack" event
         self._done: set[str] = set()  # ranks that ran the cell to its end (a "done" event)
+        self._up: set[str] = set()  # ranks that started (an "up" event): they answer stack requests
+        self._up_at: float | None = None  # when the last of them did: --stall counts from there
+        self._ranks: set[str] = set()
 
     def _on(self, event: Ev) -> State:
         state = self.machine.on(event)
@@ -194,6 +197,7 @@ class Supervisor:
         job, plane, restart = self.job, self.job.data, self.machine.restarts
         handle = None
         self._done = set()
+        self._up, self._up_at = set(), None  # ranks that answer "where are you?" (and since when)
         layers = merge.Layers(job.cwd, job.policy.storage == "layer"
                               and (job.world.size > 1 or plane is not None))
         try:
@@ -284,7 +288,7 @@ class Supervisor:
         def stopping() -> bool:
             return self.machine.state is S.STOPPING
 
-        ranks = {k for k in keys if k.startswith("rank")}
+        ranks = self._ranks = {k for k in keys if k.startswith("rank")}
         finishing = False  # every rank said "done": the rest of their exit is ours to cut short
 
         def deliver(events) -> None:
@@ -292,8 +296,10 @@ class Supervisor:
             for event in events:
                 if isinstance(event, ProcessExit):
                     code = event.returncode
-                    if finishing and code < 0:
-                        code = 0  # ended by us after the cell was done everywhere: a success
+                    if finishing and (code < 0 or event.key not in ranks):
+                        # Ended by us after the cell was done everywhere: a success (a loader
+                        # worker stopped while it loaded a unit no rank will read, too).
+                        code = 0
                     ends[event.key] = failure.ProcessEnd(event.key, code, time.time(), stopped=stopping())
                     log.debug("%s exited with %d", event.key, event.returncode)
                     if code != 0 and not stopping():
@@ -329,8 +335,10 @@ class Supervisor:
                     log.debug("every rank is done: ending the job's processes")
                     handle.stop(STOP_GRACE)
                     continue
+                if self._up_at is not None and last_output < self._up_at:
+                    last_output = self._up_at  # silence counts once every rank is up
                 if (stall and not stopping() and not stalled and len(ends) < len(keys)
-                        and time.monotonic() - last_output > stall):
+                        and self._up_at is not None and time.monotonic() - last_output > stall):
                     stalled, since = True, last_output
                     where = places()
                     if not stopping() and last_output == since:  # still silent
@@ -384,6 +392,10 @@ class Supervisor:
             self._stacks[key] = message
         elif kind == "done":
             self._done.add(key)
+        elif kind == "up":
+            self._up.add(key)
+            if self._up_at is None and all(k in self._up for k in self._ranks):
+                self._up_at = time.monotonic()
         elif kind == "comm":
             self.outcome.comm_ops[key] = message.get("ops")
         elif kind.startswith("data.") and plane is not None:

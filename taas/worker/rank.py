@@ -51,6 +51,7 @@ def main(spec) -> int:
                   payload.filename, payload.device, payload.backend, os.environ.get("TAAS_STORAGE", "shared"),
                   ", ".join(payload.loaders) or "none")
         stacks.start(job_dir, key, payload.filename)  # where this rank is, when the kernel asks
+        events.send("up")  # the supervisor's --stall clock starts once every rank is up
         if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
             print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
         _setup(payload)
