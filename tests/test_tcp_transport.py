@@ -288,3 +288,46 @@ def test_the_cleanup_hook_removes_a_killed_relays_memory(tmp_path):
         assert job_shm(job_id) == [] and not os.path.exists(fifo_directory(job_id, 0))
     finally:
         transport.close()
+
+
+class _Sink:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, stream, text):
+        self.lines.extend(text.splitlines())
+
+    def progress(self, key, stream, text, final):
+        pass
+
+
+def test_a_local_launcher_job_runs_over_tcp_relays(registered):  # noqa: F811
+    """The plane starts the relays as job processes; the ranks' views are unchanged."""
+    import glob
+    import re
+    import tempfile
+
+    from taas.launch.local import LocalLauncher
+    from taas.session import Session
+
+    class TcpLocal(LocalLauncher):
+        def data_transport(self):
+            return functools.partial(TcpTransport, ranks_per_node=1)  # a relay per rank
+
+    def relay_leftovers():
+        return ({n for n in os.listdir("/dev/shm") if re.match(r"taas-.*-n\d+-", n)}
+                | set(glob.glob(os.path.join(tempfile.gettempdir(), "taas-*-relay-n*"))))
+
+    before = relay_leftovers()
+    data = registered([torch.full((1000,), float(i)) for i in range(40)])
+    session = Session(launcher=TcpLocal())
+    try:
+        sink = _Sink()
+        options = directive.parse_options("--gpus 2 --cpus 2 --units 40")
+        cell = "import os\nprint('SUM', os.environ['RANK'], sum(float(x[0]) for x in data))"
+        session.run_cell(cell, {"data": data}, options, sink=sink)
+    finally:
+        session.close()
+    assert "[rank0] SUM 0 380.0" in sink.lines and "[rank1] SUM 1 400.0" in sink.lines, sink.lines
+    assert any("40/40 units delivered to 2 ranks" in line for line in sink.lines), sink.lines
+    assert relay_leftovers() - before == set()
