@@ -138,6 +138,8 @@ class DataPlane:
                     env=dict(env, OMP_NUM_THREADS="1"), storage=storage,
                     args=(dict(item.cfg, worker=worker),),
                 ))
+        if self.transport is not None:
+            out.extend(self.transport.processes(dict(env)))  # e.g. the TCP transport's relays
         return out
 
     # -- while it runs ---------------------------------------------------------------------

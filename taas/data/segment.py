@@ -134,8 +134,9 @@ class Segment:
     def worker_since(self, worker: int) -> float:
         return self.d[self._w(worker, W_SINCE)]
 
-    def set_worker_state(self, worker: int, state: int, unit: int = 0) -> None:
-        self.d[self._w(worker, W_SINCE)] = time.monotonic()
+    def set_worker_state(self, worker: int, state: int, unit: int = 0, since: float | None = None) -> None:
+        """``since``: when it entered ``state`` (monotonic; default now)."""
+        self.d[self._w(worker, W_SINCE)] = time.monotonic() if since is None else since
         self.q[self._w(worker, W_UNIT)] = unit
         self.q[self._w(worker, W_STATE)] = state
 

@@ -185,11 +185,35 @@ class ShmSender(Sender):
                 self.free.append(draft.block)
             return False
         enc = encode(value, (draft.block.address, draft.block.size) if draft else None)
+
+        def write(block: _Block, blob_at: int) -> None:
+            mm, u8 = block.mm, block.u8
+            for offset, nbytes, src in enc.blobs:
+                if not nbytes:
+                    continue
+                lo = blob_at + offset
+                if isinstance(src, memoryview):
+                    mm[lo:lo + nbytes] = src
+                else:
+                    u8[lo:lo + nbytes].view(src.dtype).view(src.shape).copy_(src)
+
+        return self._put(unit, enc.meta, enc.buffers, enc.nbytes, write, draft)
+
+    def put_raw(self, unit: int, meta: bytes, buffers: list, nbytes: int, write) -> bool:
+        """Send a unit encoded elsewhere (:func:`encode` ran in another process): ``meta`` and
+        ``buffers`` as :class:`Encoded` has them, a blob area of ``nbytes``; ``write(mm,
+        blob_at)`` fills the blob area of block ``mm`` from ``blob_at`` on (a relay receives the
+        bytes from its socket straight into the block).  Not called when the consumer is gone."""
+        if self.gone:
+            return False
+        return self._put(unit, meta, buffers, nbytes, lambda block, at: write(block.mm, at), None)
+
+    def _put(self, unit: int, meta: bytes, buffers: list, nbytes: int, write, draft: Draft | None) -> bool:
         top = draft.top if draft else _BLOCK.size
         meta_at = align(top)
-        table_at = meta_at + (len(enc.meta) + 7) // 8 * 8
-        blob_at = align(table_at + _ENTRY.size * len(enc.buffers))
-        size = blob_at + enc.nbytes
+        table_at = meta_at + (len(meta) + 7) // 8 * 8
+        blob_at = align(table_at + _ENTRY.size * len(buffers))
+        size = blob_at + nbytes
         if not self._wait(size):
             if draft is not None:
                 self.free.append(draft.block)
@@ -201,19 +225,12 @@ class ShmSender(Sender):
             if draft is not None:  # outgrew its draft: move what was collated there
                 block.mm[_BLOCK.size:top] = draft.block.mm[_BLOCK.size:top]
                 self.free.append(draft.block)
-        mm, u8 = block.mm, block.u8
-        _BLOCK.pack_into(mm, 0, size, meta_at, len(enc.meta), len(enc.buffers), table_at, blob_at, 0, 0)
-        mm[meta_at:meta_at + len(enc.meta)] = enc.meta
-        for j, (offset, nbytes) in enumerate(enc.buffers):
-            _ENTRY.pack_into(mm, table_at + _ENTRY.size * j, offset, nbytes)
-        for offset, nbytes, src in enc.blobs:
-            if not nbytes:
-                continue
-            lo = blob_at + offset
-            if isinstance(src, memoryview):
-                mm[lo:lo + nbytes] = src
-            else:
-                u8[lo:lo + nbytes].view(src.dtype).view(src.shape).copy_(src)
+        mm = block.mm
+        _BLOCK.pack_into(mm, 0, size, meta_at, len(meta), len(buffers), table_at, blob_at, 0, 0)
+        mm[meta_at:meta_at + len(meta)] = meta
+        for j, (offset, length) in enumerate(buffers):
+            _ENTRY.pack_into(mm, table_at + _ENTRY.size * j, offset, length)
+        write(block, blob_at)
         self.units += 1
         self.last_size = size
         self.seg.set_channel(self.ch, C_UNITS, self.units)

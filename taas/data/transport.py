@@ -7,6 +7,7 @@ views, workers or plans changing.  Three sides::
     kernel (plane.py), one per job           Transport(job_id)
         .channels(loader, workers, pairs, buffer_bytes) -> Address   one loader's channels
         .control(loader) -> ControlState     workers' state, ranks' wanted units (hang report)
+        .processes(env) -> [ProcessSpec]     job processes it needs (relays), or none
         .close()                             release everything (the job is over)
         .cleanup() -> (entry, args)          a hook that frees the job's resources from another
                                              process (the launcher's, when the kernel died)
@@ -32,7 +33,8 @@ A channel is a bounded FIFO of records in unit order::
 
 On one machine :mod:`taas.data.shm_transport` implements it (a ring of pooled shared-memory
 blocks per pair, :mod:`taas.data.shm`; control words in a header segment per loader,
-:mod:`taas.data.segment`).
+:mod:`taas.data.segment`).  Across machines :mod:`taas.data.tcp_transport` does: one TCP
+stream per (loader worker, GPU node) into a relay that fills that node's shared-memory rings.
 
 The codec keeps tensors out of pickle: :func:`encode` pickles a unit's structure (tuples,
 lists, dicts, namedtuples, dataclasses, strings, numbers, ...) with cloudpickle, replacing each
@@ -165,6 +167,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything of the job (the job is over).  Idempotent."""
+
+    def processes(self, env: dict) -> list:
+        """Job processes the transport itself needs (``ProcessSpec``s, started with the loader
+        workers once every loader's channels are made): none on one machine; the TCP transport's
+        relays, one per GPU node."""
+        return []
 
     @abc.abstractmethod
     def cleanup(self) -> Hook:
