@@ -2,7 +2,7 @@
 
     python benchmarks/cluster.py [--repeat 3] [--idle 10]     (as root, from the repo root)
 
-Printed per run: seconds until every node is alive (start), seconds until a driver inside has
+Printed per run: seconds until every node is alive (start; a retried start counts whole), seconds until a driver inside has
 connected and listed the nodes, the idle cluster's memory (RSS summed, and PSS, which counts
 shared pages once) and its CPU use over --idle seconds, then the seconds stop() takes.
 Which interpreter runs it matters: every Ray process imports what its environment makes it
@@ -62,7 +62,8 @@ def one_run(idle: float) -> dict:
         t2 = time.monotonic()
         cluster.stop()
     return {"start_s": started, "driver_s": driver, "rss_mb": rss / 2**20, "pss_mb": pss / 2**20,
-            "idle_cores": cpu, "procs": len(procs), "stop_s": time.monotonic() - t2}
+            "idle_cores": cpu, "procs": len(procs), "stop_s": time.monotonic() - t2,
+            "retried": len(cluster.failures)}
 
 
 def main() -> None:
@@ -80,7 +81,8 @@ def main() -> None:
         runs.append(r)
         print(f"run {i + 1}: start {r['start_s']:.1f}s  driver {r['driver_s']:.1f}s  "
               f"{r['procs']} processes  RSS {r['rss_mb']:.0f} MB  PSS {r['pss_mb']:.0f} MB  "
-              f"idle {r['idle_cores']:.2f} cores  stop {r['stop_s']:.1f}s", flush=True)
+              f"idle {r['idle_cores']:.2f} cores  stop {r['stop_s']:.1f}s"
+              + (f"  (after {r['retried']} failed start)" if r["retried"] else ""), flush=True)
     starts = [r["start_s"] for r in runs]
     print(f"start: median {statistics.median(starts):.1f}s, min {min(starts):.1f}s, "
           f"max {max(starts):.1f}s over {len(runs)} runs")
