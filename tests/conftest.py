@@ -1,8 +1,10 @@
-"""Fixtures shared by the real-kernel tests."""
+"""Fixtures shared by the real-kernel tests and the simulated-cluster tests."""
 
 import time
 
 import pytest
+
+from tests.cluster import SimulatedCluster, missing_requirements
 
 from tests.kernel_driver import (cmdline, listening_ports, process_name, shm_entries,
                                  unmapped_shm, wait_until_gone)
@@ -33,3 +35,17 @@ def clean(kernel):
     assert unmapped_shm(shm_entries() - shm_before) == set()
     pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
     assert listening_ports(pids) - ports_before == set()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One simulated Ray cluster (tests/cluster.py: a head, 2 "GPU" nodes, 1 CPU node, in a
+    private network and PID namespace) for the whole session: it takes 10-45 s to start.
+    Skipped where it cannot run (not root, no unshare/nsenter/ip, no ray).  Tests must leave
+    it as they found it (no placement groups or actors left behind)."""
+    reason = missing_requirements()
+    if reason:
+        pytest.skip(f"simulated Ray cluster: {reason}")
+    cluster = SimulatedCluster().start()
+    yield cluster
+    cluster.stop()

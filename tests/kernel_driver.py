@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
 
 import psutil
 from jupyter_client import KernelManager
+from traitlets import List, Unicode
 
 
 # No downloads: Hugging Face libraries in the kernel and its ranks (which inherit it) stay offline.
@@ -49,10 +52,33 @@ class CellRun:
         return "\n".join(self.error["traceback"]) if self.error else ""
 
 
+class _PrefixedKernelManager(KernelManager):
+    """Starts the kernel command behind ``command_prefix`` (e.g. ``nsenter ...`` to run it in
+    another namespace); restarts keep the prefix."""
+
+    command_prefix = List(Unicode())
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return [*self.command_prefix, *super().format_kernel_cmd(extra_arguments)]
+
+
 class Kernel:
-    def __init__(self, cwd: str, load_taas: bool = True, env: dict | None = None):
-        """A kernel started in ``cwd``, with ``env`` added to this process's environment."""
-        self.km = KernelManager(kernel_name="python3")
+    def __init__(self, cwd: str, load_taas: bool = True, env: dict | None = None,
+                 transport: str = "tcp", command_prefix: list[str] | None = None):
+        """A kernel started in ``cwd``, with ``env`` added to this process's environment.
+
+        ``transport="ipc"``: the channels are Unix sockets next to the connection file, for a
+        kernel whose loopback is not ours (another network namespace).  ``command_prefix``:
+        argv put before the kernel's command (then ``pid`` is the prefix command's)."""
+        self.km = _PrefixedKernelManager(kernel_name="python3", transport=transport,
+                                         command_prefix=list(command_prefix or []))
+        self._ipc_dir = None
+        if transport == "ipc":
+            # Absolute socket paths: the default ("kernel-ipc-PORT") is relative to each
+            # side's working directory, which differ.
+            self._ipc_dir = tempfile.mkdtemp(prefix="taas-kipc-")
+            self.km.connection_file = os.path.join(self._ipc_dir, "kernel.json")
+            self.km.ip = os.path.join(self._ipc_dir, "k")
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_repo_root(), env.get("PYTHONPATH")]))
         self.km.start_kernel(cwd=cwd, env=env)
@@ -139,6 +165,8 @@ class Kernel:
     def shutdown(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 def _repo_root() -> str:
