@@ -116,6 +116,43 @@ if attempt == 0 and os.environ["RANK"] == "1":
 done = attempt
 """
 
+LOADER_CELL = """
+count = 0
+while len(loader):
+    for batch in loader:
+        count += 1
+print("COUNT", count)
+"""
+
+
+def loader_run(session):
+    """A registered loader with two workers: placed on the rank nodes (no CPU-only node)."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    import taas
+
+    class Numbers(Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            if i == 0:
+                import os
+                print("WORKER_NODE", os.environ.get("TAAS_NODE_ID"), flush=True)
+            return torch.tensor([float(i)])
+
+    loader = DataLoader(Numbers(), batch_size=2)
+    taas.register(loader)
+    try:
+        sink = Recorder()
+        session.run_cell(LOADER_CELL, {"loader": loader}, directive.parse_options("--gpus 2 --cpus 2 --units 8"),
+                         sink=sink)
+        return {"lines": sink.lines, "leftovers": leftovers()}
+    finally:
+        taas.unregister(loader)
+
+
 HANG_CELL = """
 import time
 print("hanging", flush=True)
@@ -138,6 +175,7 @@ def main() -> None:
         report["fail"] = run(session, FAIL_CELL, "--gpus 2")
         report["restart"] = run(session, RESTART_CELL, "--gpus 2 --max-restarts 1")
         report["too_many"] = run(session, ENV_CELL, "--gpus 3")
+        report["loader"] = loader_run(session)
 
         # An agent that dies: its ranks end as killed (-9), the job stops, nothing is left.
         launcher = session.launcher_for(address)

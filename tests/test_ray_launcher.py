@@ -175,6 +175,14 @@ def test_more_gpus_than_the_cluster_has_is_one_line(report):
     assert "\n" not in run["summary"]
 
 
+def test_a_registered_loader_feeds_the_ranks(report):
+    run = report["loader"]
+    counts = [int(line.split("COUNT ")[1]) for line in run["lines"] if "COUNT " in line]
+    assert sum(counts) == 8, run["lines"]
+    nodes = {line.split("WORKER_NODE ")[1] for line in run["lines"] if "WORKER_NODE " in line}
+    assert len(nodes) == 1 and len(nodes.pop()) == 56, run["lines"]
+
+
 def test_a_dead_agent_ends_its_ranks_and_the_next_job_runs(report):
     run = report["agent_death"]
     assert run["error"] == "JobFailed", run

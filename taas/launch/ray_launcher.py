@@ -104,7 +104,7 @@ class RayLauncher(Launcher):
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
             agent = ray.remote(NodeAgent).options(
-                num_cpus=0, max_concurrency=8, name=None,
+                num_cpus=0, max_concurrency=8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
                 runtime_env={"env_vars": {"PYTHONPATH": path}},
             ).remote(node.node_id, node.ip)
