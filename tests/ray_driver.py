@@ -160,7 +160,38 @@ time.sleep(600)
 """
 
 
+def orphan(address: str, workdir: str) -> None:
+    """Start a job that hangs, print its processes' pids (and the agents'), and wait to be
+    killed: the test kills this driver and checks that the cluster ends them all."""
+    os.chdir(workdir)
+    session = Session()
+    session.use_cluster(address)
+    launcher = session.launcher_for(address)
+    agents = [i["pid"] for i in launcher._describe(launcher.nodes()).values()]
+    sink = Recorder()
+    sink_write = sink.write
+
+    def report_pids(stream, text):
+        sink_write(stream, text)
+        if "hanging" in text:
+            print("PIDS " + json.dumps(agents + list(started[-1]._pids.values())), flush=True)
+
+    sink.write = report_pids
+    run(session, HANG_CELL, "--gpus 2", sink)
+
+
+def wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("LEFT " + json.dumps([p for p in pids if alive(p)]), flush=True)
+
+
 def main() -> None:
+    if sys.argv[1] == "--orphan":
+        return orphan(sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "--wait-gone":
+        return wait_gone(json.loads(sys.argv[2]), float(sys.argv[3]))
     address, workdir = sys.argv[1], sys.argv[2]
     os.chdir(workdir)
     session = Session()

@@ -98,16 +98,25 @@ def cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def inside(init: int, *args: str) -> list[str]:
+    """A ``python -m tests.ray_driver ARGS`` command line that runs inside the namespaces."""
+    return ["nsenter", "--target", str(init), "--net", "--pid", "--mount", f"--wd={ROOT}",
+            sys.executable, "-m", "tests.ray_driver", *args]
+
+
+def driver_env() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def report(cluster):
     init, temp = cluster
     workdir = os.path.join(temp, "notebook")
     os.mkdir(workdir)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    env.pop("RAY_ADDRESS", None)
-    run = subprocess.run(["nsenter", "--target", str(init), "--net", "--pid", "--mount", f"--wd={ROOT}",
-                          sys.executable, "-m", "tests.ray_driver", "127.0.0.1:6379", workdir],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(inside(init, "127.0.0.1:6379", workdir), env=driver_env(),
+                         capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, f"the driver reported nothing (code {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     out = json.loads(lines[-1][len("REPORT "):])
@@ -200,3 +209,26 @@ def test_nothing_is_left_after_the_session_closes(report):
 def test_warm_jobs_ran(report):
     print("warm 2-rank jobs on a one-node cluster (s):", ", ".join(f"{t:.2f}" for t in report["warm"]))
     assert len(report["warm"]) == 5
+
+
+def test_a_killed_kernel_takes_its_agents_and_ranks_along(cluster, report):
+    """The agents are owned by the kernel's Ray connection: when the kernel dies, Ray ends them,
+    and their start processes take the ranks along.  (Runs after the other scenarios.)"""
+    init, temp = cluster
+    driver = subprocess.Popen(inside(init, "--orphan", "127.0.0.1:6379", os.path.join(temp, "notebook")),
+                              env=driver_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, start_new_session=True)
+    try:
+        pids = None
+        for line in driver.stdout:
+            if line.startswith("PIDS "):
+                pids = json.loads(line[len("PIDS "):])
+                break
+        assert pids, "the driver's job never started"
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # nsenter and the driver below it: the "kernel"
+        driver.wait()
+    check = subprocess.run(inside(init, "--wait-gone", json.dumps(pids), "60"), env=driver_env(),
+                           capture_output=True, text=True, timeout=120)
+    left = [line for line in check.stdout.splitlines() if line.startswith("LEFT ")]
+    assert left == ["LEFT []"], check.stdout + check.stderr
