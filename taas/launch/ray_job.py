@@ -98,6 +98,8 @@ class RayJob(JobHandle):
                 self._poll(node_id)
             except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
                 errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+                if not isinstance(getattr(exc, "cause", None), LaunchError):
+                    self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
         if errors:
             raise LaunchError("could not start the job: " + "; ".join(errors))
 

@@ -112,8 +112,15 @@ class RayLauncher(Launcher):
         return agent
 
     def _forget(self, node_id: str) -> None:
-        self._agents.pop(node_id, None)
+        """Drop a node's agent that failed (dead, or not answering): killed, to be sure that a
+        stuck one does not linger with its start process; the next job starts a fresh one."""
+        agent = self._agents.pop(node_id, None)
         self._info.pop(node_id, None)
+        if agent is not None:
+            try:
+                _ray().kill(agent)
+            except Exception:  # broad: it is gone already, whatever Ray calls that
+                pass
 
     def _describe(self, nodes: list[placement.Node]) -> dict[str, dict]:
         """The agents' own view of their nodes (CUDA devices a rank there sees)."""
@@ -177,9 +184,14 @@ class RayLauncher(Launcher):
         job = RayJob(self, ray, spec, attempt)
         try:
             job._launch(plan, nodes)
-        except BaseException:  # LaunchError, a Ray error or Ctrl-C: leave nothing behind
+        except (LaunchError, KeyboardInterrupt):  # leave nothing behind
             job.close()
             raise
+        except Exception as exc:  # broad: any Ray error (a dead agent, a lost node) ends the same way
+            job.close()
+            for node_id in job._agents:  # a dead agent is started afresh next time
+                self._forget(node_id)
+            raise LaunchError(f"could not start the job on the cluster: {_message(exc)}") from None
         self._jobs = [j for j in self._jobs if not j.closed] + [job]
         return job
 
