@@ -45,6 +45,7 @@ class JobOptions:
     storage: str = "layer"  # what ranks > 0 may write: layer | strict | shared (taas.worker.storage)
     stall: float = 60.0  # seconds without output before the ranks' places are shown; 0 = never
     max_restarts: int = 0  # times a failed job starts again (torchrun's --max-restarts)
+    cluster: str | None = None  # Ray cluster address for this cell; "local" = this machine
 
 
 _SEE_HELP = "see %%taas? for the options"
@@ -105,6 +106,14 @@ def _max_restarts(text):
         raise argparse.ArgumentTypeError(
             f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, got {text!r}")
     return value
+
+
+def _cluster(text):
+    if not text.strip() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(
+            f"--cluster takes one address as ray.init takes it (like 10.0.0.1:6379, auto) or "
+            f"'local', got {text!r}")
+    return text
 
 
 def _show(text):
@@ -176,6 +185,10 @@ _PARSER.add_argument("--storage", choices=("layer", "strict", "shared"), default
                      "write a private layer, merged back after the job when it does not conflict "
                      "(default); strict = only read it (DataSphere's rule); shared = write it "
                      "directly (for code that coordinates its own writes)")
+_PARSER.add_argument("--cluster", metavar="ADDRESS", type=_cluster,
+                     help="run this cell on the Ray cluster at ADDRESS (what ray.init(address=...) "
+                     "takes; 'local' = this machine). Default: the session's (%%taas cluster "
+                     "ADDRESS), else $RAY_ADDRESS, else this machine. taas never starts a cluster")
 _PARSER.add_argument("--config", metavar="NAME", type=_config,
                      help="DataSphere configuration name, as in a '#!NAME' line (shown by "
                      "the %%taas line magic, otherwise ignored)")
@@ -228,10 +241,12 @@ def format_options(opts: JobOptions) -> str:
     return " ".join(out)
 
 
-def resolve_world(opts: JobOptions, cuda_devices: int) -> tuple[int, str, str, str | None]:
-    """(world_size, 'cuda'|'cpu', 'nccl'|'gloo', note or None) for ``opts`` on this machine."""
+def resolve_world(opts: JobOptions, cuda_devices: int,
+                  where: str = "this machine") -> tuple[int, str, str, str | None]:
+    """(world_size, 'cuda'|'cpu', 'nccl'|'gloo', note or None) for ``opts`` on ``where``
+    (this machine, or the cluster), whose ranks can use ``cuda_devices`` CUDA devices."""
     if opts.device == "cuda" and cuda_devices <= 0:
-        raise DirectiveError("--device cuda but this machine has no CUDA device; "
+        raise DirectiveError(f"--device cuda but {where} has no CUDA device; "
                              "drop --device (or use --device cpu) to run CPU ranks")
     device = opts.device if opts.device != "auto" else ("cuda" if cuda_devices > 0 else "cpu")
     note = None
@@ -239,7 +254,7 @@ def resolve_world(opts: JobOptions, cuda_devices: int) -> tuple[int, str, str, s
         backend = "nccl" if opts.backend == "auto" else opts.backend
         if opts.gpus is not None and opts.gpus > cuda_devices:
             raise DirectiveError(
-                f"--gpus {opts.gpus} asks for more GPUs than this machine has ({cuda_devices}); "
+                f"--gpus {opts.gpus} asks for more GPUs than {where} has ({cuda_devices}); "
                 f"use --gpus {cuda_devices} or fewer, or --device cpu for CPU ranks")
         world = opts.gpus if opts.gpus is not None else cuda_devices
     else:
@@ -251,7 +266,8 @@ def resolve_world(opts: JobOptions, cuda_devices: int) -> tuple[int, str, str, s
         if opts.device == "auto":
             ranks = f"{world} CPU rank{'s' if world != 1 else ''}"
             instead = " instead of nccl" if opts.backend == "nccl" else ""
-            note = f"taas: no CUDA device here: running {ranks} on gloo{instead}"
+            here = "here" if where == "this machine" else f"on {where}"
+            note = f"taas: no CUDA device {here}: running {ranks} on gloo{instead}"
     if opts.show and max(opts.show) >= world:
         raise DirectiveError(f"--show {','.join(map(str, opts.show))} names rank {max(opts.show)} "
                              f"but the job has {world} rank(s) (0..{world - 1})")

@@ -124,6 +124,20 @@ class TaasMagics(Magics):
         return f"{label[0]} {label[1]}" if label else None
 
     def _status(self, line: str) -> None:
+        """``%taas``: where jobs run and what the last one did; ``%taas cluster ADDRESS|local``
+        sets where the session's cells run."""
         from taas import status
 
-        print(status.render(self.session))
+        words = line.split()
+        try:
+            if words and words[0] == "cluster":
+                if len(words) > 2:
+                    raise UsageError("%taas cluster takes one address (what ray.init(address=...) "
+                                     "takes) or 'local'")
+                print("\n".join(self.session.use_cluster(words[1] if len(words) > 1 else None)))
+                return
+            if words:
+                raise UsageError(f"%taas takes no arguments but 'cluster ADDRESS|local', got {line.strip()!r}")
+            print(status.render(self.session))
+        except LaunchError as exc:
+            raise UsageError(str(exc)) from None

@@ -58,6 +58,7 @@ class JobStats:
     data: list[str] = field(default_factory=list)  # the data plane's summary lines
     comm_ops: dict = field(default_factory=dict)  # rank key -> operations on its groups (comm)
     restarts: int = 0
+    cluster: str | None = None  # the Ray cluster's address, None on this machine
 
 
 def cuda_device_count() -> int:
@@ -70,7 +71,11 @@ def cuda_device_count() -> int:
 
 class Session:
     def __init__(self, launcher=None):
-        self.launcher = launcher or launcher_from_env()
+        self.launcher = launcher or launcher_from_env()  # this machine's
+        # ``%taas cluster ADDRESS``: the session's default cluster ("local": this machine, even
+        # with RAY_ADDRESS set); None: $RAY_ADDRESS, else this machine.
+        self.cluster: str | None = None
+        self._cluster_launcher = None  # the RayLauncher of the cluster used last
         self.last: JobStats | None = None
         # One job at a time per kernel (a cell may run one from a thread): the launcher's
         # channel to the start process is not shared.
@@ -81,7 +86,40 @@ class Session:
         self.launcher.warm()
 
     def close(self) -> None:
+        if self._cluster_launcher is not None:
+            self._cluster_launcher.shutdown()
+            self._cluster_launcher = None
         self.launcher.shutdown()
+
+    # -- where jobs run -----------------------------------------------------------------
+    def cluster_address(self, options: directive.JobOptions | None = None) -> str | None:
+        """The Ray cluster a cell runs on: its ``--cluster``, else the session's
+        (``%taas cluster``), else ``$RAY_ADDRESS``; None (or ``local``) is this machine."""
+        for address in (options.cluster if options else None, self.cluster,
+                        os.environ.get("RAY_ADDRESS")):
+            if address:
+                return None if address == "local" else address
+        return None
+
+    def launcher_for(self, address: str | None):
+        """This machine's launcher, or the Ray launcher of ``address`` (one cluster at a time:
+        a Ray driver connects to one; switching ends the previous connection and its agents)."""
+        if address is None:
+            return self.launcher
+        current = self._cluster_launcher
+        if current is None or current.address != address:
+            from taas.launch.ray_launcher import RayLauncher
+
+            if current is not None:
+                current.shutdown()
+            self._cluster_launcher = RayLauncher(address)
+        return self._cluster_launcher
+
+    def use_cluster(self, address: str | None) -> list[str]:
+        """``%taas cluster ADDRESS|local``: the session's default from now on; connects at once
+        (so a wrong address shows now) and returns the lines that describe it."""
+        self.cluster = address or "local"
+        return self.launcher_for(self.cluster_address()).describe()
 
     # ------------------------------------------------------------------------------------
     def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, **kwargs) -> CellResult:
@@ -102,8 +140,11 @@ class Session:
                   hidden: frozenset = frozenset(), name_for=None) -> CellResult:
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
-        cuda_devices = cuda_device_count()
-        world, device, backend, note = directive.resolve_world(options, cuda_devices)
+        address = self.cluster_address(options)
+        launcher = self.launcher_for(address)
+        cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
+        local_cuda = cuda_devices if launcher is self.launcher else cuda_device_count()
+        world, device, backend, note = directive.resolve_world(options, cuda_devices, launcher.where)
         try:
             analysis.compile_cell(source, filename, first_line)
         except SyntaxError as exc:
@@ -113,7 +154,7 @@ class Session:
         rebound = _rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
-        self.launcher.check(world + workers, device)  # before anything is written or started
+        launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]
         big = BigValues(job_id, resident=True)  # large arrays travel once, through shared memory
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
@@ -128,7 +169,7 @@ class Session:
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device, backend=backend,
                 pg_timeout=float(options.timeout or 1800), results=options.results,
-                results_to_cpu=cuda_devices == 0),
+                results_to_cpu=local_cuda == 0),
             world=World(world, device, backend),
             policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
                           stall=options.stall, storage=options.storage,
@@ -139,8 +180,8 @@ class Session:
         )
         stats = self.last = JobStats(job_id, world, device, backend,
                                      loaders=sorted(i.name for i in plane.loaders) if plane else [],
-                                     config=options.config)
-        supervisor = Supervisor(self.launcher, job, sink, name_for=name_for,
+                                     config=options.config, cluster=address)
+        supervisor = Supervisor(launcher, job, sink, name_for=name_for,
                                 on_state=lambda state: setattr(stats, "outcome", state.value))
         started = time.monotonic()
         try:

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 
 def render(session) -> str:
-    from taas.session import cuda_device_count
-
-    gpus = cuda_device_count()
-    lines = [
-        f"taas: {gpus} CUDA GPU(s) visible; "
-        + ("NCCL ranks, one GPU each" if gpus else "no CUDA: ranks run on CPU with gloo"),
-    ]
+    # Where the next cell runs: this machine's GPUs, or the cluster's nodes, GPUs and CPUs.
+    lines = session.launcher_for(session.cluster_address()).describe()
     try:
         from taas.data.registry import registered
 
@@ -27,6 +22,7 @@ def render(session) -> str:
             f"{last.device}/{last.backend}, {last.wall_s:.2f} s"
             + (f", restarts {last.restarts}" if getattr(last, "restarts", 0) else "")
             + (f", DataSphere configuration #!{last.config}" if last.config else "")
+            + (f", on the Ray cluster at {last.cluster}" if getattr(last, "cluster", None) else "")
         )
         codes = ", ".join(f"{k}={v}" for k, v in sorted(last.exit_codes.items()))
         if codes:

@@ -70,3 +70,24 @@ def touch(path):
 
 def failing_hook():
     raise RuntimeError("a hook that fails must not stop the others")
+
+
+# -- a placed rendezvous (taas.launch.ray_agent): torchrun's env given, the store elsewhere ------
+def rendezvous_sum(spec):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "TAAS_NODE_ID", "GLOO_SOCKET_IFNAME")
+    print(" ".join(f"{k}={os.environ.get(k)}" for k in keys), f"sum={t.item():g}",
+          "job_dir" if os.path.isdir(os.environ["TAAS_JOB_DIR"]) else "no-job-dir", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def read_shared(spec):
+    fds = [int(fd) for fd in os.environ["TAAS_SHARED_FDS"].split(",") if fd]
+    print(b"|".join(os.pread(fd, 100, 0) for fd in fds).decode())
+    return 0

@@ -47,6 +47,10 @@ VALID = [
     ("--storage strict", JobOptions(storage="strict")),
     ("--storage shared", JobOptions(storage="shared")),
     ("--storage layer", JobOptions()),  # the default
+    ("--cluster 10.0.0.1:6379", JobOptions(cluster="10.0.0.1:6379")),
+    ("--cluster auto", JobOptions(cluster="auto")),
+    ("--cluster ray://head:10001", JobOptions(cluster="ray://head:10001")),
+    ("--cluster local", JobOptions(cluster="local")),
     ("--gpus 1 --gpus 3", JobOptions(gpus=3)),  # last one wins, as in argparse
     ("--gpus 2  # two ranks", JobOptions(gpus=2)),  # a trailing comment is ignored
     (
@@ -109,6 +113,9 @@ INVALID = [
     ("train.py", "train.py"),
     ("--gpus 2 4", "'4'"),
     ('--config "g2.8', "quote"),
+    ("--cluster", "--cluster"),
+    ("--cluster ''", "--cluster takes one address"),
+    ("--cluster 'a b'", "--cluster takes one address"),
 ]
 
 
@@ -167,6 +174,7 @@ FORMATTED = [
     (JobOptions(gpus=2, storage="strict"), "--gpus 2 --storage strict"),
     (JobOptions(stall=0.0), "--stall 0"),
     (JobOptions(max_restarts=3), "--max-restarts 3"),
+    (JobOptions(gpus=4, cluster="10.0.0.1:6379"), "--gpus 4 --cluster 10.0.0.1:6379"),
     (JobOptions(cpus=4, units=7, backend="gloo", device="cpu"),
      "--cpus 4 --units 7 --backend gloo --device cpu"),
 ]
@@ -189,6 +197,7 @@ FLAG_OF_FIELD = {
     "gpus": "--gpus", "cpus": "--cpus", "units": "--units", "backend": "--backend",
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
     "config": "--config", "storage": "--storage", "stall": "--stall", "max_restarts": "--max-restarts",
+    "cluster": "--cluster",
 }
 
 
@@ -259,6 +268,23 @@ def test_resolve_world_errors(line, cuda, mentions):
     with pytest.raises(DirectiveError) as info:
         resolve_world(parse_options(line), cuda)
     assert mentions in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("line, cuda, mentions", [
+    ("--gpus 8", 4, "--gpus 8 asks for more GPUs than the cluster has (4)"),
+    ("--device cuda", 0, "--device cuda but the cluster has no CUDA device"),
+])
+def test_resolve_world_names_the_cluster(line, cuda, mentions):
+    with pytest.raises(DirectiveError) as info:
+        resolve_world(parse_options(line), cuda, where="the cluster")
+    assert mentions in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cluster_without_cuda_runs_gloo_with_one_note():
+    # A cluster whose nodes advertise GPUs torch cannot see (a simulated cluster): ranks on CPU.
+    world, device, backend, note = resolve_world(parse_options("--gpus 4"), 0, where="the cluster")
+    assert (world, device, backend) == (4, "cpu", "gloo")
+    assert note == "taas: no CUDA device on the cluster: running 4 CPU ranks on gloo"
 
 
 def test_resolve_world_rechecks_nccl_on_explicit_cpu():

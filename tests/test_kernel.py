@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.kernel_driver import Kernel, cell, open_files, process_name, wait_for, wait_until_gone
+from tests.kernel_driver import Kernel, cell, one_line_usage_error, open_files, process_name, wait_for, wait_until_gone
 
 pytestmark = pytest.mark.kernel
 
@@ -230,6 +230,15 @@ def test_unreferenced_unshippable_values_are_ignored(kernel, clean):
 def test_status_line_magic(kernel):
     run = kernel.run("%taas")
     assert "CUDA" in run.stdout and "last job" in run.stdout
+
+
+def test_cluster_line_magic_selects_this_machine_and_refuses_junk(kernel):
+    run = kernel.run("%taas cluster local")
+    assert run.error is None and "CUDA" in run.stdout, run.stdout + run.stderr
+    assert "%taas cluster takes one address" in one_line_usage_error(kernel.run("%taas cluster a b"))
+    assert "cluster ADDRESS|local" in one_line_usage_error(kernel.run("%taas bogus"))
+    run = kernel.run("%%taas --cluster local\nprint('here')")
+    assert run.error is None and "here" in run.stdout
 
 
 def test_interrupt_stops_every_rank(kernel, clean):

@@ -99,7 +99,15 @@ class LaunchSpec:
     shared memory), each a picklable ``("package.module:function", args)``.  The launcher calls
     ``function(*args)`` in a process of its own when the attempt is over (every process ended)
     and when the kernel died with the attempt running; a hook must be idempotent, since the
-    kernel frees the same things itself when it can, and its errors are ignored."""
+    kernel frees the same things itself when it can, and its errors are ignored.
+
+    ``placed``: the rendezvous was decided elsewhere.  A multi-node launcher
+    (:mod:`taas.launch.ray_launcher`) hands each node's share of a job to that node's local
+    launcher with every rank's ``env`` already carrying torchrun's variables (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a store it hosts...)
+    and the socket interface to use; the local launcher then hosts no store, keeps those
+    variables, and adds only where its files are (``TAAS_JOB_DIR``, ``TAAS_SCRATCH``).
+    ``world_size`` is then this node's count of ranks, not the job's."""
 
     job_id: str
     cwd: str
@@ -110,6 +118,7 @@ class LaunchSpec:
     restart: int = 0
     max_restarts: int = 0
     cleanups: tuple = ()
+    placed: bool = False
 
     @property
     def world_size(self) -> int:
@@ -187,9 +196,32 @@ class Launcher(abc.ABC):
         """Prepare for the next job in the background (the local launcher starts its start
         process); optional."""
 
-    def check(self, processes: int, device: str = "cpu") -> None:
-        """Raise LaunchError (one line) if a job of ``processes`` processes cannot run here;
-        called before anything is written or started."""
+    #: Where this launcher runs jobs, in the words of a message ("this machine", "the cluster").
+    where: str = "this machine"
+
+    def check(self, processes: int, device: str = "cpu", ranks: int | None = None) -> None:
+        """Raise LaunchError (one line) if a job of ``processes`` processes (``ranks`` of them
+        ranks, when the caller knows) cannot run here; called before anything is written or
+        started."""
+
+    def cuda_devices(self) -> int:
+        """How many CUDA devices the ranks can use, one rank each (the count
+        :func:`taas.directive.resolve_world` decides device and backend with): by default this
+        machine's.  A cluster launcher counts the GPUs of its nodes that its ranks see as CUDA
+        devices (0 on a cluster that only advertises GPUs: the ranks run gloo on CPU)."""
+        from taas.shield import import_shielded
+
+        # An interrupt must not cut the kernel's first `import torch` in half (taas.shield).
+        import_shielded("torch", "torch.distributed")
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def describe(self) -> list[str]:
+        """Lines for ``%taas``: where jobs run (a cluster lists its nodes, GPUs, CPUs)."""
+        gpus = self.cuda_devices()
+        return [f"taas: {gpus} CUDA GPU(s) visible; "
+                + ("NCCL ranks, one GPU each" if gpus else "no CUDA: ranks run on CPU with gloo")]
 
     @abc.abstractmethod
     def start(self, spec: LaunchSpec) -> JobHandle:

@@ -131,7 +131,7 @@ class LocalLauncher(Launcher):
         return ShmTransport
 
     # -- jobs ----------------------------------------------------------------------------
-    def check(self, processes: int, device: str = "cpu") -> None:
+    def check(self, processes: int, device: str = "cpu", ranks: int | None = None) -> None:
         """Raise LaunchError (one line) if a job of ``processes`` processes cannot start here."""
         check_fd_limit(processes)
 
@@ -154,7 +154,10 @@ class LocalLauncher(Launcher):
         readers: dict[int, tuple[str, str]] = {}
         try:
             jobdir.write_files(job_dir, spec.files)
-            store, port = rendezvous.agent_store(spec.world_size) if spec.world_size else (None, 0)
+            if spec.world_size and not spec.placed:
+                store, port = rendezvous.agent_store(spec.world_size)
+            else:  # no rank, or the rendezvous is someone else's (LaunchSpec.placed)
+                store, port = None, 0
             processes = _place(spec, job_dir, port)
             keys = [(proc.key, stream) for proc in processes for stream in _STREAMS]
             # No interrupt between the request and its fds: the channel would be out of step.
@@ -206,10 +209,16 @@ class LocalLauncher(Launcher):
 
 def _place(spec: LaunchSpec, job_dir: str, port: int) -> list[ProcessSpec]:
     """Every process on this machine: a rank gets torchrun's variables for one node (local
-    rank = rank), a scratch directory, and every socket on loopback."""
+    rank = rank), a scratch directory, and every socket on loopback.  A ``placed`` spec keeps
+    the rendezvous its ranks carry and gets only the job directory's variables."""
     world = spec.world_size
     places = {p.rank: p for p in rendezvous.one_node(world)}
     common = {"TAAS_JOB_DIR": job_dir}
+    if spec.placed:
+        return [dataclasses.replace(proc, env=dict(
+            proc.env, **common, **({} if proc.rank is None else
+                                   {"TAAS_SCRATCH": jobdir.scratch(job_dir, proc.rank)})))
+            for proc in spec.processes]
     lo = rendezvous.loopback_ifname()
     if lo:  # one machine: every socket on loopback, gloo's and NCCL's bootstrap too
         common["GLOO_SOCKET_IFNAME"] = lo
@@ -325,6 +334,11 @@ class LocalJob(JobHandle):
     @property
     def running(self) -> bool:
         return len(self._exited) < len(self._pids)
+
+    @property
+    def finished(self) -> bool:
+        """Every process exited and all its output was read: :meth:`events` has nothing more."""
+        return not self._readers and not self.running
 
     def _await_spawned(self) -> None:
         while True:

@@ -58,6 +58,27 @@ def loopback_ifname() -> str | None:
     return "lo" if "lo" in names else None
 
 
+def ifname_for(ip: str) -> str | None:
+    """The network interface that carries ``ip`` on this machine (what gloo's and NCCL's
+    ``*_SOCKET_IFNAME`` want), or None if none does.  Any 127.x address is loopback's (a
+    simulated cluster gives its nodes 127.0.1.x: routed to ``lo``, not assigned to it)."""
+    import ipaddress
+
+    try:
+        if ipaddress.ip_address(ip).is_loopback:
+            return loopback_ifname()
+    except ValueError:
+        return None
+    try:
+        import psutil
+    except ImportError:  # psutil is optional here: without it, leave the choice to gloo/NCCL
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
+            return name
+    return None
+
+
 def agent_store(world: int, host: str = "127.0.0.1"):
     """A fresh TCPStore for one attempt, listening on ``host`` (loopback by default): ``(store,
     port)``.

@@ -1,0 +1,235 @@
+"""One attempt of a job on a Ray cluster: the handle over its nodes' agents.
+
+:class:`RayJob` merges the agents' event streams -- one long-poll ``events()`` call outstanding
+per agent, ``ray.wait`` over them -- and routes ``stop``, ``fetch``, ``request_stacks`` and
+``layers`` to the agents of the processes' nodes.  An agent whose call fails (its process or
+its node died) becomes a :class:`~taas.launch.api.ProcessExit` of -9 for each of its processes
+that had not exited: they died with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from taas.errors import LaunchError
+from taas.launch import placement
+from taas.launch.api import Event, JobHandle, LaunchSpec, ProcessExit
+
+if TYPE_CHECKING:
+    from taas.launch.ray_launcher import RayLauncher
+
+log = logging.getLogger(__name__)
+
+_LONG_POLL = 1.0  # seconds an agent's events() call waits for something to report
+_CALL_TIMEOUT = 120.0  # an agent call that should be quick (a cold agent imports torch)
+
+
+def _message(exc: BaseException) -> str:
+    """The first line of what went wrong in an agent (a RayTaskError carries the cause)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return text[-1] if text else type(cause).__name__
+
+
+class RayJob(JobHandle):
+    """An attempt spread over agents: their events merged, stop/fetch/stacks routed by node."""
+
+    def __init__(self, launcher: "RayLauncher", ray, spec: LaunchSpec, attempt: str):
+        self._launcher = launcher
+        self._ray = ray
+        self._spec = spec
+        self._attempt = attempt
+        self._keys = [p.key for p in spec.processes]
+        self._node_of: dict[str, str] = {}
+        self._agents: dict[str, object] = {}  # node id -> agent, for this attempt's nodes
+        self._pids: dict[str, int] = {}
+        self._polls: dict[object, str] = {}  # outstanding events() call -> node id
+        self._finished: set[str] = set()
+        self._exited: set[str] = set()
+        self._pending: list[Event] = []
+        self._store_node: str | None = None
+        self._stopped = False
+        self.closed = False
+
+    def _launch(self, plan: placement.Plan, nodes: dict[str, placement.Node]) -> None:
+        from taas.launch import rendezvous
+
+        ray, spec = self._ray, self._spec
+        if plan.by == "GPU":  # reserve the GPUs where the plan puts the ranks
+            self._launcher._reserve([{"GPU": 1, f"node:{nodes[n].ip}": 0.001} for n in plan.rank_nodes],
+                                    self._attempt)
+        ranks = iter(zip(plan.rank_nodes, plan.places))
+        workers = iter(plan.worker_nodes)
+        per_node: dict[str, list] = defaultdict(list)
+        world = sum(1 for p in spec.processes if p.rank is not None)
+        for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):
+            self._agents[node_id] = self._launcher._agent(nodes[node_id])
+        if world:
+            self._store_node = plan.nodes[0].node_id
+            master, port = self._get(self._agents[self._store_node].host_store.remote(self._attempt, world))
+        for proc in spec.processes:
+            if proc.rank is not None:
+                node_id, place = next(ranks)
+                assert place.rank == proc.rank, "the supervisor numbers ranks 0..N-1 in order"
+                env = dict(proc.env, **rendezvous.torchrun_env(place, world, master, port, spec.job_id,
+                                                                spec.restart, spec.max_restarts),
+                           NODE_RANK=str(place.group_rank))  # Lightning's name for GROUP_RANK
+                proc = dataclasses.replace(proc, env=env)
+            else:
+                node_id = next(workers)
+            per_node[node_id].append(proc)
+            self._node_of[proc.key] = node_id
+        files = ray.put(spec.files)
+        shared = [ray.put(_read_fd(fd)) for fd in spec.shared_fds]
+        calls = {}
+        for node_id, procs in per_node.items():
+            sub = LaunchSpec(spec.job_id, spec.cwd, tuple(procs), {}, (), spec.device, spec.restart,
+                             spec.max_restarts, spec.cleanups, placed=True)
+            calls[node_id] = self._agents[node_id].start.remote(sub, files, *shared)
+        errors = []
+        for node_id, ref in calls.items():
+            try:
+                self._pids.update(ray.get(ref, timeout=_CALL_TIMEOUT))
+                self._poll(node_id)
+            except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
+                errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+                if not isinstance(getattr(exc, "cause", None), LaunchError):
+                    self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
+        if errors:
+            raise LaunchError("could not start the job: " + "; ".join(errors))
+
+    def _get(self, ref, timeout: float = _CALL_TIMEOUT):
+        return self._ray.get(ref, timeout=timeout)
+
+    def _poll(self, node_id: str) -> None:
+        self._polls[self._agents[node_id].events.remote(_LONG_POLL)] = node_id
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def events(self, timeout: float):
+        if not self._pending and self._polls:
+            self._wait(timeout)
+        out, self._pending = self._pending, []
+        return out
+
+    def _wait(self, timeout: float) -> None:
+        ray = self._ray
+        ready, rest = ray.wait(list(self._polls), num_returns=1, timeout=timeout)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        for ref in ready:
+            node_id = self._polls.pop(ref)
+            try:
+                events, finished = ray.get(ref)
+            except Exception as exc:  # broad: a dead agent or node, whatever Ray calls it
+                log.debug("agent on node %s lost: %s", node_id, exc)
+                self._lose(node_id)
+                continue
+            for event in events:
+                if isinstance(event, ProcessExit):
+                    self._exited.add(event.key)
+            self._pending.extend(events)
+            if finished:
+                self._finished.add(node_id)
+            else:
+                self._poll(node_id)
+
+    def _lose(self, node_id: str) -> None:
+        """An agent (or its node) died: so did its processes (their start process's guard has
+        the agent as its parent)."""
+        self._finished.add(node_id)
+        self._launcher._forget(node_id)
+        for key, where in self._node_of.items():
+            if where == node_id and key not in self._exited:
+                self._exited.add(key)
+                self._pending.append(ProcessExit(key, self._pids.get(key, 0), -9))
+
+    def _each(self, call, *args, timeout: float = _CALL_TIMEOUT) -> dict[str, object]:
+        """Call every agent of the attempt at once; node id -> answer (dead agents left out)."""
+        refs = {node_id: getattr(agent, call).remote(*args) for node_id, agent in self._agents.items()}
+        out = {}
+        for node_id, ref in refs.items():
+            try:
+                out[node_id] = self._get(ref, timeout)
+            except Exception:  # broad: a dead agent has nothing to give and nothing to stop
+                pass
+        return out
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self._stopped or not self._agents:
+            return
+        self._each("stop", grace, timeout=grace + 15)
+        self._stopped = True
+
+    def drain(self, timeout: float = 2.0) -> list[Event]:
+        out: list[Event] = []
+        deadline = time.monotonic() + timeout
+        while self._polls and time.monotonic() < deadline:
+            out.extend(self.events(0.05))
+        return out + self.events(0)
+
+    def fetch(self, key: str, name: str) -> bytes | None:
+        agent = self._agents.get(self._node_of.get(key, ""))
+        if agent is None:
+            return None
+        try:
+            return self._get(agent.fetch.remote(key, name))
+        except Exception:  # broad: the node is gone, and what it held with it
+            return None
+
+    def request_stacks(self, keys) -> list[str]:
+        by_node: dict[str, list[str]] = defaultdict(list)
+        for key in keys:
+            if key in self._node_of:
+                by_node[self._node_of[key]].append(key)
+        refs = [self._agents[n].request_stacks.remote(k) for n, k in by_node.items()]
+        asked: list[str] = []
+        for ref in refs:
+            try:
+                asked += self._get(ref, 10)
+            except Exception:  # broad: a dead agent's ranks cannot answer
+                pass
+        return asked
+
+    def layers(self) -> list[tuple[str, str]]:
+        return [layer for found in self._each("layers").values() for layer in found]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.stop()
+            self._each("close")
+            if self._store_node is not None and self._store_node in self._agents:
+                self._each_one(self._store_node, "close_store", self._attempt)
+        finally:
+            self._polls.clear()
+            self._launcher._job_ended()
+
+    def _each_one(self, node_id: str, call: str, *args) -> None:
+        try:
+            self._get(getattr(self._agents[node_id], call).remote(*args))
+        except Exception:  # broad: a dead agent holds nothing any more
+            pass
+
+
+def _read_fd(fd: int) -> bytes:
+    """The whole content of one of the kernel's shared files (a resident big tensor)."""
+    size = os.fstat(fd).st_size
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, min(size - offset, 1 << 30), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)

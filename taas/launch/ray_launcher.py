@@ -1,0 +1,272 @@
+"""The Ray launcher: a job's processes on the nodes of a Ray cluster the user already runs.
+
+    kernel ── RayLauncher ──ray.init(address, log_to_driver=False)──> cluster
+                 │  placement.plan(nodes, ranks, workers)      pure: which node, GROUP_RANK...
+                 │  placement group: {"GPU": 1} per rank, pinned to the planned nodes
+                 │  node 0's agent: host_store(world) -> (ip, port)      (MASTER_ADDR/PORT)
+                 ▼  per node: agent.start(its ProcessSpecs, env already placed)
+             NodeAgent × nodes (taas.launch.ray_agent: a LocalLauncher each, warm)
+                 │  fork from the node's warm start process; pipes to the agent
+                 ▼
+             ranks, loader workers  ──output──> agent ──events() long poll──> RayJob.events
+
+taas never starts a Ray cluster: ``address`` is what ``ray.init(address=...)`` takes of a
+running one (``"auto"``, ``"10.0.0.1:6379"``, ``"ray://..."``).  If the kernel is already
+connected (the user called ``ray.init``), that connection is used as it is.  Ray's own log
+forwarding is off for a connection taas makes: output travels through the agents, whole and in
+order, to the kernel's output router.
+
+Agents are actors owned by the kernel's connection (not detached): they stay warm between
+cells and die with it -- and their start processes, ranks and loader workers with them.  An
+agent (or node) that dies becomes an exit (-9) of each of its processes; the supervisor stops
+the rest at the first failure, and a restart starts a fresh attempt wherever the plan says.
+
+Limits, for now: the nodes must share the notebook's working directory (true on one machine,
+on a simulated cluster, on project storage mounted everywhere): each process starts there, and
+``--storage layer`` uppers of ranks on other nodes are read from the paths their agent reports.
+The data plane's transport is the shared-memory one (:meth:`RayLauncher.data_transport`), which
+works only while the nodes share a machine.  The kernel's resident big tensors travel through
+the object store, copied once per node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from taas.errors import LaunchError
+from taas.launch import placement
+from taas.launch.api import LaunchSpec, Launcher
+from taas.launch.ray_job import _CALL_TIMEOUT, RayJob, _message
+from taas.shield import import_shielded
+
+log = logging.getLogger(__name__)
+
+_PG_TIMEOUT = 30.0  # waiting for the cluster to reserve the job's GPUs
+# A placement group is kept this long after a job, for the next cell of the same shape: GPUs
+# that a removed group held return to the cluster only at its next resource report (~1 s
+# measured), while a group created on free GPUs is ready in milliseconds.
+_PG_IDLE = 60.0
+
+
+def _ray():
+    import_shielded("ray")  # an interrupt must not leave Ray half-imported (taas.shield)
+    import ray
+
+    return ray
+
+
+class RayLauncher(Launcher):
+    where = "the cluster"
+
+    def __init__(self, address: str):
+        self.address = address
+        self._connected = False
+        self._ours = False  # we called ray.init: ray.shutdown() is ours to call too
+        self._agents: dict[str, object] = {}  # node id -> actor handle
+        self._info: dict[str, dict] = {}  # node id -> the agent's describe()
+        self._jobs: list[RayJob] = []
+        self._pg = None  # the GPUs reserved for the current (or last) job's shape
+        self._pg_bundles: list | None = None
+        self._pg_lock = threading.Lock()
+        self._pg_timer: threading.Timer | None = None
+
+    # -- the cluster --------------------------------------------------------------------
+    def connect(self):
+        ray = _ray()
+        if not self._connected:
+            if not ray.is_initialized():
+                try:
+                    ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
+                except Exception as exc:  # broad: Ray raises ConnectionError, ValueError, RuntimeError...
+                    raise LaunchError(f"cannot connect to the Ray cluster at {self.address!r}: "
+                                      f"{_message(exc)}") from None
+                self._ours = True
+            self._connected = True
+        return ray
+
+    def nodes(self) -> list[placement.Node]:
+        ray = self.connect()
+        return [placement.Node(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
+                               n["Resources"].get("CPU", 0.0))
+                for n in ray.nodes() if n.get("Alive")]
+
+    def _agent(self, node: placement.Node):
+        """The node's agent, started if it has none yet."""
+        agent = self._agents.get(node.node_id)
+        if agent is None:
+            ray = self.connect()
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from taas.launch.ray_agent import NodeAgent
+
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+            agent = ray.remote(NodeAgent).options(
+                num_cpus=0, max_concurrency=8,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+            ).remote(node.node_id, node.ip)
+            self._agents[node.node_id] = agent
+        return agent
+
+    def _forget(self, node_id: str) -> None:
+        """Drop a node's agent that failed (dead, or not answering): killed, to be sure that a
+        stuck one does not linger with its start process; the next job starts a fresh one."""
+        agent = self._agents.pop(node_id, None)
+        self._info.pop(node_id, None)
+        if agent is not None:
+            try:
+                _ray().kill(agent)
+            except Exception:  # broad: it is gone already, whatever Ray calls that
+                pass
+
+    def _describe(self, nodes: list[placement.Node]) -> dict[str, dict]:
+        """The agents' own view of their nodes (CUDA devices a rank there sees)."""
+        ray = self.connect()
+        missing = [n for n in nodes if n.node_id not in self._info]
+        refs = [self._agent(n).describe.remote() for n in missing]
+        for node, ref in zip(missing, refs):
+            try:
+                self._info[node.node_id] = ray.get(ref, timeout=_CALL_TIMEOUT)
+            except Exception as exc:  # broad: any Ray error means this node has no agent now
+                self._forget(node.node_id)
+                raise LaunchError(f"taas could not start its agent on node {node.ip}: {_message(exc)}") from None
+        return {n.node_id: self._info[n.node_id] for n in nodes}
+
+    def cuda_devices(self) -> int:
+        gpu_nodes = [n for n in self.nodes() if int(n.gpus) >= 1]
+        if not gpu_nodes:
+            return 0
+        info = self._describe(gpu_nodes)
+        seen = [min(int(n.gpus), info[n.node_id]["cuda"]) for n in gpu_nodes]
+        # Ranks see CUDA everywhere, or the whole job runs gloo on CPU (one device per job).
+        return sum(seen) if all(seen) else 0
+
+    def describe(self) -> list[str]:
+        nodes = sorted(self.nodes(), key=lambda n: placement.ip_key(n.ip))
+        cuda = self.cuda_devices()
+        lines = [f"taas: Ray cluster at {self.address}: {placement.describe(nodes)}; "
+                 + ("NCCL ranks, one GPU each" if cuda else
+                    "ranks see no CUDA device: they run on CPU with gloo, one per GPU slot"
+                    if any(int(n.gpus) for n in nodes) else "no GPU: ranks run on CPU with gloo")]
+        for n in nodes:
+            lines.append(f"  node {n.ip:<15} {int(n.gpus)} GPU(s) {int(n.cpus):>3} CPU(s)  {n.node_id[:12]}")
+        return lines
+
+    def check(self, processes: int, device: str = "cpu", ranks: int | None = None) -> None:
+        ranks = processes if ranks is None else ranks
+        placement.plan(self.nodes(), ranks, processes - ranks)
+
+    def data_transport(self):
+        """Shared memory, as on one machine: right only while the nodes share a machine (a
+        simulated cluster); a cross-node transport replaces it."""
+        from taas.data.shm_transport import ShmTransport
+
+        return ShmTransport
+
+    # -- jobs ---------------------------------------------------------------------------
+    def start(self, spec: LaunchSpec) -> "RayJob":
+        ray = self.connect()
+        nodes = {n.node_id: n for n in self.nodes()}
+        ranks = [p for p in spec.processes if p.rank is not None]
+        workers = [p for p in spec.processes if p.rank is None]
+        plan = placement.plan(list(nodes.values()), len(ranks), len(workers))
+        if spec.device == "cuda":
+            info = self._describe([nodes[i] for i in set(plan.rank_nodes)])
+            for node_id in set(plan.rank_nodes):
+                need, seen = plan.rank_nodes.count(node_id), info[node_id]["cuda"]
+                if seen < need:
+                    raise LaunchError(f"node {nodes[node_id].ip} runs {need} CUDA rank(s) but its "
+                                      f"processes see {seen} CUDA device(s)")
+        attempt = spec.job_id if spec.restart == 0 else f"{spec.job_id}-{spec.restart}"
+        job = RayJob(self, ray, spec, attempt)
+        try:
+            job._launch(plan, nodes)
+        except (LaunchError, KeyboardInterrupt):  # leave nothing behind
+            job.close()
+            raise
+        except Exception as exc:  # broad: any Ray error (a dead agent, a lost node) ends the same way
+            job.close()
+            for node_id in job._agents:  # a dead agent is started afresh next time
+                self._forget(node_id)
+            raise LaunchError(f"could not start the job on the cluster: {_message(exc)}") from None
+        self._jobs = [j for j in self._jobs if not j.closed] + [job]
+        return job
+
+    # -- the GPU reservation ------------------------------------------------------------
+    def _reserve(self, bundles: list[dict], attempt: str) -> None:
+        """Reserve ``bundles`` (a placement group), reusing the last job's when it is the same."""
+        from ray.util.placement_group import placement_group
+
+        with self._pg_lock:
+            if self._pg_timer is not None:
+                self._pg_timer.cancel()
+                self._pg_timer = None
+            if self._pg is not None and self._pg_bundles == bundles:
+                return
+            self._release_locked()
+            pg = placement_group(bundles, strategy="PACK", name=f"taas-{attempt}")
+            if not pg.wait(_PG_TIMEOUT):
+                _remove_pg(pg)
+                raise LaunchError(f"the cluster did not reserve {len(bundles)} GPU(s) in "
+                                  f"{_PG_TIMEOUT:.0f} s: other work holds them; try again, or use fewer --gpus")
+            self._pg, self._pg_bundles = pg, bundles
+
+    def _job_ended(self) -> None:
+        """Keep the reservation a while for the next cell, then give the GPUs back."""
+        with self._pg_lock:
+            if self._pg is not None and self._pg_timer is None:
+                self._pg_timer = threading.Timer(_PG_IDLE, self._release)
+                self._pg_timer.daemon = True
+                self._pg_timer.start()
+
+    def _release(self) -> None:
+        with self._pg_lock:
+            self._pg_timer = None
+            if not any(not job.closed for job in self._jobs):
+                self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._pg is not None:
+            _remove_pg(self._pg)
+        self._pg, self._pg_bundles = None, None
+
+    def shutdown(self) -> None:
+        """End every job and agent (their processes die with them); disconnect if we connected."""
+        for job in self._jobs:
+            job.close()
+        self._jobs = []
+        if not self._connected:
+            return
+        with self._pg_lock:
+            if self._pg_timer is not None:
+                self._pg_timer.cancel()
+                self._pg_timer = None
+            self._release_locked()
+        ray = _ray()
+        refs = [agent.shutdown.remote() for agent in self._agents.values()]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        except Exception:  # broad: a dead agent or connection needs no shutdown
+            pass
+        for agent in self._agents.values():
+            try:
+                ray.kill(agent)
+            except Exception:  # broad: already gone
+                pass
+        self._agents.clear()
+        self._info.clear()
+        if self._ours:
+            ray.shutdown()
+        self._connected = self._ours = False
+
+
+def _remove_pg(pg) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # broad: the cluster freed it already (the driver is leaving)
+        pass
