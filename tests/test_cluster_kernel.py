@@ -1,0 +1,158 @@
+"""A taas cell across machines, through a real kernel: the kernel runs inside the simulated
+cluster's namespace (tests/cluster.py: a head, GPU-like nodes 127.0.1.1 and 127.0.1.2, a CPU
+node 127.0.2.1) and connects with ``%taas cluster``; ranks spread over both GPU nodes."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.kernel_driver import cell, plain, wait_until_gone
+
+pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("notebook")
+    k = ray_cluster.kernel(str(workdir))
+    run = k.run(f"%taas cluster {ray_cluster.address}")
+    assert run.error is None, run.traceback
+    k.workdir = workdir
+    yield k
+    k.run("%taas cluster local")  # ends the connection: agents and placement groups go
+    k.shutdown()
+
+
+def job_processes(ray_cluster):
+    """taas's rank and loader processes anywhere in the cluster (by the names the start
+    process gives them)."""
+    out = []
+    for p in ray_cluster.processes():
+        try:
+            if p.name().startswith(("taas-rank", "taas-loader")):
+                out.append(p)
+        except Exception:  # gone meanwhile
+            pass
+    return out
+
+
+def test_percent_taas_shows_the_cluster(kernel, ray_cluster):
+    run = kernel.run("%taas")
+    assert run.error is None, run.traceback
+    text = run.stdout
+    for ip in ray_cluster.gpu_node_ips:
+        assert ip in text, text
+    assert "GPU" in text and "CPU" in text, text
+
+
+def test_ranks_spread_over_both_gpu_nodes_with_torchruns_environment(kernel, ray_cluster):
+    run = kernel.run(cell("""
+        %%taas --gpus 4
+        import os, socket, torch, torch.distributed as dist
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK",
+                                          "LOCAL_WORLD_SIZE", "WORLD_SIZE", "TAAS_NODE_ID")}
+        print("where", env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["LOCAL_WORLD_SIZE"],
+              env["TAAS_NODE_ID"][:8], t.item(), flush=True)
+        total = t.item()
+        """))
+    assert run.error is None, run.traceback
+    rows = {int(r): (int(lr), int(g), int(lw), node, float(s))
+            for r, lr, g, lw, node, s in re.findall(r"where (\d) (\d) (\d) (\d) (\w+) ([\d.]+)", run.stdout)}
+    assert sorted(rows) == [0, 1, 2, 3], run.stdout
+    assert [rows[r][:3] for r in range(4)] == [(0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2)], rows
+    assert rows[0][3] == rows[1][3] != rows[2][3] == rows[3][3], rows  # two nodes, two ranks each
+    assert all(row[4] == 10.0 for row in rows.values())
+    assert all(f"[rank{r}] where" in run.stdout for r in range(4))
+    assert kernel.run("print(total)").stdout.strip() == "10.0"
+    assert "no CUDA device" in run.stderr  # "GPU" nodes without CUDA: gloo, with the one line
+
+
+def test_a_failing_rank_on_the_second_node_is_the_root_cause(kernel):
+    run = kernel.run(cell("""
+        %%taas --gpus 4
+        import os, torch.distributed as dist
+        if os.environ["RANK"] == "3":
+            raise ValueError("rank three broke on node " + os.environ["GROUP_RANK"])
+        dist.barrier()
+        """))
+    assert run.status == "error"
+    tb = plain(run.traceback)
+    assert tb.splitlines()[0].startswith("rank3 failed: ValueError: rank three broke on node 1"), tb
+    assert "rank0: stopped after rank3 failed" in tb
+
+
+def test_interrupt_stops_ranks_on_every_node_within_5s(kernel, ray_cluster):
+    seen = {}
+
+    def on_output(out):
+        if all(f"[rank{r}] up" in out.stdout for r in range(4)) and "at" not in seen:
+            seen["at"] = time.monotonic()
+            kernel.km.interrupt_kernel()
+
+    run = kernel.run("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)",
+                     on_output=on_output)
+    assert "at" in seen, run.stdout + run.stderr
+    assert run.status == "error" and run.error["ename"] == "KeyboardInterrupt"
+    assert time.monotonic() - seen["at"] < 5
+    assert wait_until_gone([p.pid for p in job_processes(ray_cluster)], timeout=10) == []
+
+
+def test_rank_zeros_file_is_in_the_working_directory(kernel):
+    run = kernel.run(cell("""
+        %%taas --gpus 4
+        import torch, torch.distributed as dist
+        if dist.get_rank() == 0:
+            torch.save({"w": torch.arange(3)}, "model.pt")
+        """))
+    assert run.error is None, run.traceback
+    again = kernel.run("import torch\nprint(torch.load('model.pt')['w'].tolist())")
+    assert again.stdout.strip() == "[0, 1, 2]", again.stdout + again.traceback
+
+
+def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
+    k = ray_cluster.kernel(str(tmp_path))
+    try:
+        assert k.run(f"%taas cluster {ray_cluster.address}").error is None
+        k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
+        deadline = time.monotonic() + 300
+        while len(job_processes(ray_cluster)) < 4:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        kernel_pid = k.descendants()[0].pid  # nsenter's child: the kernel itself
+        ranks = [p.pid for p in job_processes(ray_cluster)]
+        agents = [p.pid for p in ray_cluster.processes() if "NodeAgent" in " ".join(_cmdline(p))]
+        import os
+        import signal
+
+        os.kill(kernel_pid, signal.SIGKILL)
+        assert wait_until_gone(ranks + agents, timeout=10) == []
+        check = ray_cluster.run([_python(), "-c", (
+            "import ray, time; ray.init(address='%s', log_to_driver=False)\n"
+            "from ray.util import placement_group_table as t\n"
+            "left = lambda: sum(1 for g in t().values() if g['state'] != 'REMOVED')\n"
+            "deadline = time.monotonic() + 30\n"
+            "while left() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.2)\n"
+            "print(left())") % ray_cluster.address],
+            capture_output=True, text=True, timeout=300)
+        assert check.stdout.strip().splitlines()[-1] == "0", check.stdout + check.stderr
+    finally:
+        k.shutdown()
+
+
+def _cmdline(p) -> list[str]:
+    try:
+        return p.cmdline()
+    except Exception:  # gone meanwhile
+        return []
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
