@@ -130,7 +130,10 @@ def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
         import signal
 
         os.kill(kernel_pid, signal.SIGKILL)
-        assert wait_until_gone(ranks + agents, timeout=10) == []
+        # The job's processes end within 10 s (each agent notices that the kernel stopped
+        # polling it); the agents are actors of the kernel's Ray connection, which Ray ends.
+        assert wait_until_gone(ranks, timeout=10) == [], [_cmdline(p) for p in job_processes(ray_cluster)]
+        assert wait_until_gone(agents, timeout=120) == []
         check = ray_cluster.run([_python(), "-c", (
             "import ray, time; ray.init(address='%s', log_to_driver=False)\n"
             "from ray.util import placement_group_table as t\n"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import threading
 import time
@@ -32,6 +33,9 @@ from taas.launch.api import LaunchSpec
 from taas.launch.local import LocalJob, LocalLauncher
 
 _SLICE = 0.05  # how long one read of the job's pipes holds the lock
+ORPHANED = 5.0  # seconds without an events() call from the kernel, while a job runs: it is gone
+
+log = logging.getLogger(__name__)
 
 
 def visible_cuda() -> int:
@@ -66,7 +70,24 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._job: LocalJob | None = None
         self._stores: dict[str, object] = {}
+        self._polled = time.monotonic()  # the kernel's last events() call
         threading.Thread(target=_import_torch, name="taas-agent-torch", daemon=True).start()
+        threading.Thread(target=self._watch_kernel, name="taas-agent-watchdog", daemon=True).start()
+
+    def _watch_kernel(self) -> None:
+        """While a job runs here, the kernel keeps an events() call outstanding (a new one at
+        least every second).  If none came for ORPHANED s, the kernel is gone (killed, its node
+        lost): end the job's processes now rather than when Ray gets round to ending this
+        actor, which can take many seconds on a busy cluster."""
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                job = self._job
+                if job is None or job.finished or time.monotonic() - self._polled < ORPHANED:
+                    continue
+                log.warning("no word from the kernel for %.0f s: ending its job on this node", ORPHANED)
+                self._job.close()
+                self._job = None
 
     def describe(self) -> dict:
         return {"node_id": self.node_id, "ip": self.ip, "cuda": visible_cuda(), "pid": os.getpid()}
@@ -96,6 +117,7 @@ class NodeAgent:
             procs = tuple(dataclasses.replace(p, env=self._env(p.env)) for p in spec.processes)
             spec = dataclasses.replace(spec, processes=procs, files=files, shared_fds=tuple(fds),
                                        placed=True)
+            self._polled = time.monotonic()  # the kernel polls from now on
             with self._lock:
                 if self._job is not None:  # a previous attempt the kernel did not close
                     self._job.close()
@@ -117,6 +139,7 @@ class NodeAgent:
         """Output and exits of this node's processes, waiting up to ``timeout`` s for the first
         (a long poll); and whether the job is finished (every process exited, all read)."""
         deadline = time.monotonic() + timeout
+        self._polled = time.monotonic()
         while True:
             with self._lock:
                 job = self._job
