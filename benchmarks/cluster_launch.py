@@ -1,0 +1,114 @@
+"""A trivial 4-rank job over 2 nodes: taas on a Ray cluster against Ray Train's TorchTrainer.
+
+    python benchmarks/cluster_launch.py [--repeat 5]      (as root, from the repo root)
+
+Starts the simulated cluster of the tests (tests/cluster.py: a head, two "GPU" nodes with 2
+GPUs each, a CPU node, in a private network and PID namespace) and runs a driver inside it that
+measures, side by side in one run:
+
+- taas cold: the first cell after connecting (``ray.init``, the node agents start, their start
+  processes import torch), through :class:`taas.session.Session` with the Ray launcher;
+- taas warm: later cells (fresh ranks every time), median of --repeat;
+- Ray Train: ``TorchTrainer(train_fn, ScalingConfig(num_workers=4)).fit()`` for the same job
+  (init the process group, one all_reduce), cold every time, as Ray Train is.
+
+The job: 4 ranks (2 per GPU node), gloo (the nodes have no CUDA), one all_reduce.  Ratios are
+printed against Ray Train (goal for warm <= 0.02).  Needs ``ray[train]`` for the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.cluster import SimulatedCluster, missing_requirements  # noqa: E402
+
+DRIVER = r'''
+import json, sys, tempfile, time
+from taas.directive import JobOptions
+from taas.launch.ray_launcher import RayLauncher
+from taas.session import Session
+
+address, repeat = sys.argv[1], int(sys.argv[2])
+CELL = "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 4.0"
+
+class Quiet:
+    def write(self, stream, text): pass
+    def progress(self, *a, **k): pass
+
+session = Session(launcher=RayLauncher(address))
+def taas_job():
+    t0 = time.perf_counter()
+    session.run_cell(CELL, {}, JobOptions(gpus=4), sink=Quiet())
+    return time.perf_counter() - t0
+
+cold = taas_job()
+warm = []
+for _ in range(repeat):
+    time.sleep(1.0)  # a person reads the output, then runs the next cell
+    warm.append(taas_job())
+session.close()
+
+def train_fn():
+    import torch, torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 4.0
+
+trainer_s = []
+try:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    for _ in range(2):
+        t0 = time.perf_counter()
+        TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=4, use_gpu=False),
+                     run_config=RunConfig(storage_path=tempfile.mkdtemp())).fit()
+        trainer_s.append(time.perf_counter() - t0)
+except ImportError as exc:
+    print(f"(no Ray Train: {exc})", file=sys.stderr)
+print(json.dumps({"cold": cold, "warm": warm, "trainer": trainer_s}))
+'''
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    reason = missing_requirements()
+    if reason:
+        sys.exit(f"cannot run a simulated cluster here: {reason}")
+    cluster = SimulatedCluster().start()
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            script = os.path.join(workdir, "driver.py")
+            with open(script, "w") as f:
+                f.write(DRIVER)
+            run = cluster.run([sys.executable, script, cluster.address, str(args.repeat)], cwd=workdir,
+                              capture_output=True, text=True, timeout=1800,
+                              env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    finally:
+        cluster.stop()
+    if run.returncode != 0:
+        sys.exit(f"the driver failed:\n{run.stderr[-3000:]}")
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    warm = statistics.median(figures["warm"])
+    print(f"4 ranks over 2 nodes (gloo, one all_reduce), simulated cluster:")
+    print(f"  taas cold (first cell after connecting) {figures['cold']:.2f} s | taas warm median of "
+          f"{len(figures['warm'])} {warm:.3f} s ({', '.join(f'{w:.3f}' for w in figures['warm'])})")
+    if figures["trainer"]:
+        trainer = statistics.median(figures["trainer"])
+        print(f"  Ray Train TorchTrainer.fit {trainer:.1f} s ({', '.join(f'{t:.1f}' for t in figures['trainer'])})")
+        print(f"  ratio  warm/TorchTrainer = {warm / trainer:.4f}   (goal <= 0.02)")
+        print(f"  ratio  cold/TorchTrainer = {figures['cold'] / trainer:.3f}")
+    else:
+        print("  Ray Train not installed (pip install 'ray[train]'): no comparison")
+
+
+if __name__ == "__main__":
+    main()
