@@ -77,6 +77,7 @@ class Session:
         self.cluster: str | None = None
         self._cluster_launcher = None  # the RayLauncher of the cluster used last
         self.last: JobStats | None = None
+        self.job_ids: list[str] = []  # every job this session ran, oldest first
         # One job at a time per kernel (a cell may run one from a thread): the launcher's
         # channel to the start process is not shared.
         self._running = threading.Lock()
@@ -156,6 +157,7 @@ class Session:
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]
+        self.job_ids.append(job_id)
         big = BigValues(job_id, resident=True)  # large arrays travel once, through shared memory
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         for line in ([note] if note else []) + rebound + big.notes:

@@ -44,10 +44,10 @@ from taas.shield import import_shielded
 log = logging.getLogger(__name__)
 
 _PG_TIMEOUT = 30.0  # waiting for the cluster to reserve the job's GPUs
-# A placement group is kept this long after a job, for the next cell of the same shape: GPUs
-# that a removed group held return to the cluster only at its next resource report (~1 s
-# measured), while a group created on free GPUs is ready in milliseconds.
-_PG_IDLE = 60.0
+# The placement group is given back when its job ends: GPUs held between cells would block
+# other users' jobs (and other kernels) on a shared cluster.  The price: GPUs a removed group
+# held return to the cluster only at its next resource report (~1 s measured), so a cell run
+# right after the previous one may wait that long for its reservation.
 
 
 def _ray():
@@ -70,7 +70,6 @@ class RayLauncher(Launcher):
         self._pg = None  # the GPUs reserved for the current (or last) job's shape
         self._pg_bundles: list | None = None
         self._pg_lock = threading.Lock()
-        self._pg_timer: threading.Timer | None = None
 
     # -- the cluster --------------------------------------------------------------------
     def connect(self):
@@ -197,13 +196,10 @@ class RayLauncher(Launcher):
 
     # -- the GPU reservation ------------------------------------------------------------
     def _reserve(self, bundles: list[dict], attempt: str) -> None:
-        """Reserve ``bundles`` (a placement group), reusing the last job's when it is the same."""
+        """Reserve ``bundles`` (a placement group), reusing one still held when it is the same."""
         from ray.util.placement_group import placement_group
 
         with self._pg_lock:
-            if self._pg_timer is not None:
-                self._pg_timer.cancel()
-                self._pg_timer = None
             if self._pg is not None and self._pg_bundles == bundles:
                 return
             self._release_locked()
@@ -215,16 +211,11 @@ class RayLauncher(Launcher):
             self._pg, self._pg_bundles = pg, bundles
 
     def _job_ended(self) -> None:
-        """Keep the reservation a while for the next cell, then give the GPUs back."""
-        with self._pg_lock:
-            if self._pg is not None and self._pg_timer is None:
-                self._pg_timer = threading.Timer(_PG_IDLE, self._release)
-                self._pg_timer.daemon = True
-                self._pg_timer.start()
+        """Give the GPUs back as soon as no job of ours runs."""
+        self._release()
 
     def _release(self) -> None:
         with self._pg_lock:
-            self._pg_timer = None
             if not any(not job.closed for job in self._jobs):
                 self._release_locked()
 
@@ -241,9 +232,6 @@ class RayLauncher(Launcher):
         if not self._connected:
             return
         with self._pg_lock:
-            if self._pg_timer is not None:
-                self._pg_timer.cancel()
-                self._pg_timer = None
             self._release_locked()
         ray = _ray()
         refs = [agent.shutdown.remote() for agent in self._agents.values()]
