@@ -118,6 +118,7 @@ def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
     k = ray_cluster.kernel(str(tmp_path))
     try:
         assert k.run(f"%taas cluster {ray_cluster.address}").error is None
+        others = set(_agents(ray_cluster))  # another kernel's agents (the module's) stay
         k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
         deadline = time.monotonic() + 300
         while len(job_processes(ray_cluster)) < 4:
@@ -125,7 +126,8 @@ def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
             time.sleep(0.1)
         kernel_pid = k.descendants()[0].pid  # nsenter's child: the kernel itself
         ranks = [p.pid for p in job_processes(ray_cluster)]
-        agents = [p.pid for p in ray_cluster.processes() if "NodeAgent" in " ".join(_cmdline(p))]
+        agents = [pid for pid in _agents(ray_cluster) if pid not in others]
+        assert agents, "this kernel's agents were not found"
         import os
         import signal
 
@@ -146,6 +148,10 @@ def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
         assert check.stdout.strip().splitlines()[-1] == "0", check.stdout + check.stderr
     finally:
         k.shutdown()
+
+
+def _agents(ray_cluster) -> list[int]:
+    return [p.pid for p in ray_cluster.processes() if "NodeAgent" in " ".join(_cmdline(p))]
 
 
 def _cmdline(p) -> list[str]:
