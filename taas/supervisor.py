@@ -254,7 +254,7 @@ class Supervisor:
         job, plane = self.job, self.job.data
         attempt_id = job.job_id if restart == 0 else f"{job.job_id}-{restart}"
         if plane is not None:
-            plane.open(attempt_id, self.launcher.data_transport())
+            plane.open(attempt_id, self.launcher.data_transport(job.world.size))
         payload = dataclasses.replace(job.payload, loaders=plane.settings if plane is not None else {})
         processes = [ProcessSpec(key=f"rank{rank}", entry="taas.worker.rank:main", env=dict(job.env),
                                  storage="shared" if rank == 0 else job.policy.storage, rank=rank)

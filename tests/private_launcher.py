@@ -46,7 +46,7 @@ class PrivateLauncher(Launcher):
         self.jobs = [j for j in self.jobs if not j.closed] + [job]
         return job
 
-    def data_transport(self):
+    def data_transport(self, world: int = 0):
         from taas.data.shm_transport import ShmTransport  # one machine here too
 
         return ShmTransport

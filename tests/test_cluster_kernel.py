@@ -165,3 +165,80 @@ def _python() -> str:
     import sys
 
     return sys.executable
+
+
+LOADER_SETUP = """
+import os, torch, taas, ray
+from torch.utils.data import Dataset, DataLoader
+
+class Where(Dataset):
+    \"\"\"Each sample says which node loaded it (TAAS_NODE_ID of the loader worker).\"\"\"
+    def __len__(self):
+        return 400
+    def __getitem__(self, i):
+        return {"i": torch.tensor(i), "x": torch.full((8,), float(i)), "node": os.environ.get("TAAS_NODE_ID", "kernel")}
+
+fed = DataLoader(Where(), batch_size=1)
+taas.register(fed)
+cpu_nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("cpu_node"))
+print("CPU", ",".join(cpu_nodes))
+"""
+
+LOADER_CELL = """
+%%taas --gpus 4 --cpus 2 --units 400
+import os, json, torch
+got, nodes = [], set()
+for b in fed:
+    i = int(b["i"])
+    assert torch.equal(b["x"], torch.full((1, 8), float(i))), (i, b["x"])
+    got.append(i)
+    nodes.update(b["node"])
+relay_ips = []  # where the relays listen (they live as long as this node's ranks)
+if os.environ["RANK"] == "0":
+    import psutil
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] == "taas-data-relay":
+            conns = getattr(p, "net_connections", None) or p.connections
+            relay_ips += [c.laddr.ip for c in conns("tcp") if c.status == "LISTEN"]
+print("FED", json.dumps([os.environ["TAAS_NODE_ID"], sorted(nodes), got, sorted(relay_ips)]), flush=True)
+"""
+
+
+def test_a_registered_loader_feeds_ranks_on_both_gpu_nodes_from_the_cpu_node(kernel, ray_cluster):
+    """Units travel over TCP: loader workers on the CPU node, a relay on each GPU node."""
+    import json
+
+    setup = kernel.run(cell(LOADER_SETUP))
+    assert setup.error is None, setup.traceback
+    cpu_nodes = re.search(r"CPU (\S+)", setup.stdout).group(1).split(",")
+    assert len(cpu_nodes) == len(ray_cluster.cpu_node_ips) == 1, setup.stdout
+    shm = "import os\nprint(sorted(n for n in os.listdir('/dev/shm') if n.startswith('taas-')))"
+    before = kernel.run(shm).stdout.strip()
+
+    run = kernel.run(cell(LOADER_CELL))
+    assert run.error is None, run.traceback + run.stderr
+    rows = {int(r): json.loads(row) for r, row in re.findall(r"\[rank(\d)\] FED (.*)", run.stdout)}
+    assert sorted(rows) == [0, 1, 2, 3], run.stdout + run.stderr
+    units = sorted(i for _, _, got, _ in rows.values() for i in got)
+    assert units == list(range(400))  # every unit exactly once across the ranks
+    assert all(nodes == cpu_nodes for _, nodes, _, _ in rows.values()), rows  # loaded on the CPU node
+    assert rows[0][3] == sorted(ray_cluster.gpu_node_ips), rows[0][3]  # a relay on each GPU node
+    rank_nodes = [rows[r][0] for r in range(4)]
+    assert rank_nodes[0] == rank_nodes[1] != rank_nodes[2] == rank_nodes[3], rank_nodes
+    assert cpu_nodes[0] not in rank_nodes
+    assert "400/400 units delivered to 4 ranks" in run.stderr + run.stdout, run.stderr
+
+    assert wait_until_gone([p.pid for p in job_processes(ray_cluster)] + [p.pid for p in relays(ray_cluster)],
+                           timeout=30) == []
+    assert kernel.run(shm).stdout.strip() == before  # no segment of the job left
+
+
+def relays(ray_cluster):
+    out = []
+    for p in ray_cluster.processes():
+        try:
+            if p.name().startswith("taas-data-rela"):
+                out.append(p)
+        except Exception:  # gone meanwhile
+            pass
+    return out

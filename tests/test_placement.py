@@ -36,6 +36,8 @@ def test_loader_workers_go_to_nodes_without_gpus_round_robin():
     # The head has a CPU and no GPU: it counts as a CPU node too (sorted by IP: head first).
     assert p.worker_nodes == ("head", "c", "d", "head")
     assert plan([GPU_A, GPU_B, CPU_C], 2, 3).worker_nodes == ("c", "c", "c")
+    coordinator = Node("head", "127.0.0.1")  # a head without CPUs (the simulated cluster's) feeds nothing
+    assert plan([coordinator, GPU_A, GPU_B, CPU_C], 4, 2).worker_nodes == ("c", "c")
 
 
 def test_loader_workers_share_the_rank_nodes_without_cpu_nodes():

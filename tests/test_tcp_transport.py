@@ -311,7 +311,7 @@ def test_a_local_launcher_job_runs_over_tcp_relays(registered):  # noqa: F811
     from taas.session import Session
 
     class TcpLocal(LocalLauncher):
-        def data_transport(self):
+        def data_transport(self, world=0):
             return functools.partial(TcpTransport, ranks_per_node=1)  # a relay per rank
 
     def relay_leftovers():
@@ -331,3 +331,34 @@ def test_a_local_launcher_job_runs_over_tcp_relays(registered):  # noqa: F811
     assert "[rank0] SUM 0 380.0" in sink.lines and "[rank1] SUM 1 400.0" in sink.lines, sink.lines
     assert any("40/40 units delivered to 2 ranks" in line for line in sink.lines), sink.lines
     assert relay_leftovers() - before == set()
+
+
+def test_on_a_launcher_node_the_cleanup_hook_frees_only_that_nodes_share(monkeypatch):
+    """Nodes that share a machine (a simulated cluster): one node's hook (a CPU node's, when
+    its loader workers ended) must not unlink the rings that another node's ranks still read."""
+    from taas.data.tcp_relay import node_of, remove_node
+    from taas.data.tcp_transport import cleanup
+
+    assert [node_of(r, (0, 0, 1, 1, 1)) for r in range(5)] == [0, 0, 1, 1, 1]  # a placement
+    assert [node_of(r, 2) for r in range(4)] == [0, 0, 1, 1] and node_of(3, None) == 0
+    job_id = uuid.uuid4().hex[:12]
+    transport = TcpTransport(job_id, ranks_per_node=(0, 1), node_ids=("gpu-a", "gpu-b"))
+    try:
+        for node in (0, 1):
+            segment.Segment.create(header_name(job_id, node, 0), segment.Layout(1, 1, MiB)).close()
+            os.makedirs(fifo_directory(job_id, node))
+        entry, args = transport.cleanup()
+        monkeypatch.setenv("TAAS_NODE_ID", "cpu-c")  # no relay there: nothing of it to free
+        cleanup(*args)
+        assert len(job_shm(job_id)) == 2
+        monkeypatch.setenv("TAAS_NODE_ID", "gpu-b")
+        cleanup(*args)
+        assert job_shm(job_id) == [header_name(job_id, 0, 0)] and os.path.isdir(fifo_directory(job_id, 0))
+        assert not os.path.exists(fifo_directory(job_id, 1))
+        monkeypatch.delenv("TAAS_NODE_ID")  # the kernel's own machine: everything of the job
+        cleanup(*args)
+        assert job_shm(job_id) == [] and not os.path.exists(fifo_directory(job_id, 0))
+    finally:
+        transport.close()
+        for node in (0, 1):
+            remove_node(job_id, node)

@@ -51,8 +51,15 @@ def fifo_directory(job_id: str, node: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"{segment.SHM_PREFIX}{job_id}-relay-n{node}")
 
 
-def node_of(rank: int, ranks_per_node: int | None) -> int:
-    return rank // ranks_per_node if ranks_per_node else 0
+def node_of(rank: int, nodes) -> int:
+    """The GPU node of ``rank``: ``nodes`` is ranks per node (rank r on node r // nodes, every
+    node alike), a sequence giving each rank's node (a launcher's placement: nodes may hold
+    different numbers of ranks), or None (one node)."""
+    if not nodes:
+        return 0
+    if isinstance(nodes, int):
+        return rank // nodes
+    return int(nodes[rank])
 
 
 def remove_node(job_id: str, node: int) -> None:

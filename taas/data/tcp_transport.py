@@ -56,7 +56,7 @@ import threading
 import time
 
 from taas.data import segment, tcp_wire as wire
-from taas.data.tcp_relay import node_of, relay_main  # noqa: F401 (the relay's entry point)
+from taas.data.tcp_relay import node_of, relay_main, remove_node  # noqa: F401 (the relay's entry point)
 from taas.data.transport import BLOCKED, STARTING, Address, ControlState, Hook, Transport, WorkerStatus
 
 ENDPOINT = "taas.data.tcp_endpoint:TcpEndpoint"
@@ -66,13 +66,20 @@ QUERY_S = 5.0  # a relay that does not answer a control query in this long is le
 
 class TcpTransport(Transport):
     """The kernel side.  ``host``: the kernel's address the relays and workers reach;
-    ``ranks_per_node``: rank r is on GPU node r // ranks_per_node (None: one node);
-    ``relay_host``: where relays listen, unless their ``TAAS_DATA_HOST`` says otherwise."""
+    ``ranks_per_node``: which GPU node each rank is on -- an int (rank r is on node
+    r // ranks_per_node), a sequence (rank r is on node ``ranks_per_node[r]``: the launcher's
+    placement, :meth:`taas.launch.api.Launcher.data_transport`) or None (one node);
+    ``relay_host``: where relays listen, unless their ``TAAS_DATA_HOST`` says otherwise;
+    ``node_ids``: each GPU node's launcher id (``TAAS_NODE_ID``), by node number, so that the
+    cleanup hook run on one node frees only that node's memory (:func:`cleanup`)."""
 
-    def __init__(self, job_id: str, host: str = "127.0.0.1", ranks_per_node: int | None = None,
-                 relay_host: str | None = None):
+    def __init__(self, job_id: str, host: str = "127.0.0.1", ranks_per_node: "int | tuple | None" = None,
+                 relay_host: str | None = None, node_ids: "tuple[str, ...] | None" = None):
+        if ranks_per_node is not None and not isinstance(ranks_per_node, int):
+            ranks_per_node = tuple(int(n) for n in ranks_per_node)  # travels in settings: small, picklable
         super().__init__(job_id)
         self.host, self.ranks_per_node, self.relay_host = host, ranks_per_node, relay_host or host
+        self.node_ids = tuple(node_ids) if node_ids else None
         self.secret = wire.Secret()
         self.layouts: dict[int, dict] = {}
         self.relays: dict[int, tuple] = {}  # node -> (socket, lock): control queries
@@ -162,7 +169,7 @@ class TcpTransport(Transport):
         cleanup(self.job_id)
 
     def cleanup(self) -> Hook:
-        return (f"{__name__}:cleanup", (self.job_id,))
+        return (f"{__name__}:cleanup", (self.job_id, self.node_ids))
 
     # -- the hub ---------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -217,9 +224,20 @@ class TcpTransport(Transport):
                 sock.close()
 
 
-def cleanup(job_id: str) -> None:
+def cleanup(job_id: str, node_ids: "tuple[str, ...] | None" = None) -> None:
     """Remove every segment and FIFO directory of job ``job_id`` on this machine (any process:
-    the kernel's, or the launcher's when the kernel died).  Other nodes' relays remove theirs."""
+    the kernel's, or the launcher's when the kernel died).  Other nodes' relays remove theirs.
+
+    Run by a node's launcher process (``TAAS_NODE_ID`` set, one of ``node_ids``) it removes
+    only that node's share, and on a node without a relay nothing: nodes that share a machine
+    (a simulated cluster) must not unlink each other's rings while their ranks still read --
+    a CPU node's loader workers end, and their node's hook runs, before the ranks are done."""
+    here = os.environ.get("TAAS_NODE_ID")
+    if node_ids and here:
+        for node, node_id in enumerate(node_ids):
+            if node_id == here:
+                remove_node(job_id, node)
+        return
     segment.unlink_job(job_id)
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{segment.SHM_PREFIX}{job_id}-relay-n*")):
         shutil.rmtree(path, ignore_errors=True)

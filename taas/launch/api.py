@@ -232,7 +232,15 @@ class Launcher(abc.ABC):
     def shutdown(self) -> None:
         """Stop any running job and release warm state."""
 
-    def data_transport(self):
-        """The data plane's transport class for jobs of this launcher (a subclass of
-        :class:`taas.data.transport.Transport`): how units reach ranks where it puts them."""
+    def data_transport(self, world: int = 0):
+        """The data plane's transport for the next job of this launcher, of ``world`` ranks: a
+        :class:`taas.data.transport.Transport` subclass, or any callable ``(job_id) -> Transport``
+        (a ``functools.partial`` of one).  How units reach ranks where this launcher puts them.
+
+        The supervisor calls it *before* :meth:`start` (the loaders' settings go into the
+        job's payload), so a multi-node launcher plans the ranks' placement for ``world`` here
+        and hands the transport the rank -> node mapping; its :meth:`start` then places the
+        ranks the same way, or raises LaunchError if the cluster changed in between.  The
+        transport's own processes (``ProcessSpec`` keys ``data-relay:<node>``, node numbered
+        as in that mapping) go on that node."""
         raise NotImplementedError(f"{type(self).__name__} has no data transport")

@@ -124,7 +124,7 @@ class LocalLauncher(Launcher):
         self._proc = None
         self._ready = False
 
-    def data_transport(self):
+    def data_transport(self, world: int = 0):
         """One machine: units travel through shared memory."""
         from taas.data.shm_transport import ShmTransport
 

@@ -12,7 +12,8 @@ Given the cluster's nodes (:class:`Node`: id, IP, GPUs, CPUs as Ray counts them)
   advertise GPUs that torch cannot see (a simulated cluster) the ranks run gloo on CPU, placed
   as they would be on GPUs.  A cluster without any GPU places ranks by CPUs, the same way.
 - **loader workers** go round-robin over the nodes without GPUs when the cluster has both
-  kinds (so they do not take the CPUs that feed the GPUs), else over the ranks' nodes.
+  kinds (so they do not take the CPUs that feed the GPUs; a node without CPUs -- a head that
+  only coordinates -- takes none), else over the ranks' nodes.
 
 Asking for more than the cluster has is a one-line :class:`~taas.errors.LaunchError` that says
 what the cluster has.
@@ -102,7 +103,7 @@ def plan(nodes: list[Node], ranks: int, workers: int = 0) -> Plan:
         for local in range(count):
             places.append(Placement(len(places), local, count, group, len(chosen)))
             rank_nodes.append(node.node_id)
-    cpu_only = [n for n in nodes if int(n.gpus) < 1]
+    cpu_only = [n for n in nodes if int(n.gpus) < 1 and int(n.cpus) >= 1]  # not a head without CPUs
     feeders = sorted(cpu_only if gpu_nodes and cpu_only else [n for n, _ in chosen] or nodes,
                      key=lambda n: ip_key(n.ip))
     worker_nodes = tuple(feeders[i % len(feeders)].node_id for i in range(workers))

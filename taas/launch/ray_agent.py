@@ -129,7 +129,8 @@ class NodeAgent:
                 os.close(fd)
 
     def _env(self, env: dict) -> dict:
-        out = dict(env, TAAS_NODE_ID=self.node_id)
+        # TAAS_DATA_HOST: where a data relay on this node listens (loader workers reach it).
+        out = dict(env, TAAS_NODE_ID=self.node_id, TAAS_DATA_HOST=self.ip)
         if self._ifname:  # the interface of the node's address, for gloo's and NCCL's sockets
             out.setdefault("GLOO_SOCKET_IFNAME", self._ifname)
             out.setdefault("NCCL_SOCKET_IFNAME", self._ifname)

@@ -58,6 +58,7 @@ class RayJob(JobHandle):
 
     def _launch(self, plan: placement.Plan, nodes: dict[str, placement.Node]) -> None:
         from taas.launch import rendezvous
+        from taas.launch.ray_launcher import RELAY
 
         ray, spec = self._ray, self._spec
         if plan.by == "GPU":  # reserve the GPUs where the plan puts the ranks
@@ -80,6 +81,8 @@ class RayJob(JobHandle):
                                                                 spec.restart, spec.max_restarts),
                            NODE_RANK=str(place.group_rank))  # Lightning's name for GROUP_RANK
                 proc = dataclasses.replace(proc, env=env)
+            elif proc.key.startswith(RELAY):  # the data transport's relay for GPU node <g>
+                node_id = plan.nodes[int(proc.key[len(RELAY):])].node_id
             else:
                 node_id = next(workers)
             per_node[node_id].append(proc)

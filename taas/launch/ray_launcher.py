@@ -24,8 +24,9 @@ the rest at the first failure, and a restart starts a fresh attempt wherever the
 Limits, for now: the nodes must share the notebook's working directory (true on one machine,
 on a simulated cluster, on project storage mounted everywhere): each process starts there, and
 ``--storage layer`` uppers of ranks on other nodes are read from the paths their agent reports.
-The data plane's transport is the shared-memory one (:meth:`RayLauncher.data_transport`), which
-works only while the nodes share a machine.  The kernel's resident big tensors travel through
+Registered loaders' units travel over TCP (:meth:`RayLauncher.data_transport`): loader workers
+on the CPU nodes, a relay on each GPU node of the job filling its ranks' shared memory.  The
+kernel's resident big tensors travel through
 the object store, copied once per node.
 """
 
@@ -42,6 +43,8 @@ from taas.launch.ray_job import _CALL_TIMEOUT, RayJob, _message
 from taas.shield import import_shielded
 
 log = logging.getLogger(__name__)
+
+RELAY = "data-relay:"  # a data transport's process for GPU node <n> of the plan: placed there
 
 _PG_TIMEOUT = 30.0  # waiting for the cluster to reserve the job's GPUs
 # The placement group is given back when its job ends: GPUs held between cells would block
@@ -70,6 +73,7 @@ class RayLauncher(Launcher):
         self._pg = None  # the GPUs reserved for the current (or last) job's shape
         self._pg_bundles: list | None = None
         self._pg_lock = threading.Lock()
+        self._planned: dict[int, tuple] = {}  # world -> rank_nodes data_transport() planned with
 
     # -- the cluster --------------------------------------------------------------------
     def connect(self):
@@ -158,20 +162,34 @@ class RayLauncher(Launcher):
         ranks = processes if ranks is None else ranks
         placement.plan(self.nodes(), ranks, processes - ranks)
 
-    def data_transport(self):
-        """Shared memory, as on one machine: right only while the nodes share a machine (a
-        simulated cluster); a cross-node transport replaces it."""
-        from taas.data.shm_transport import ShmTransport
+    def data_transport(self, world: int = 0):
+        """The TCP transport (:mod:`taas.data.tcp_transport`): its hub on the kernel's node
+        address, one relay per GPU node of the job on that node (the agent gives it
+        ``TAAS_DATA_HOST``), loader workers on the nodes the plan gives them.  The ranks'
+        placement is planned here for ``world`` ranks -- the supervisor asks before
+        :meth:`start` -- and :meth:`start` places them the same way."""
+        import functools
 
-        return ShmTransport
+        from taas.data.tcp_transport import TcpTransport
+
+        ray = self.connect()
+        plan = placement.plan(self.nodes(), max(world, 1))
+        self._planned[world] = plan.rank_nodes
+        host = ray.util.get_node_ip_address()
+        return functools.partial(TcpTransport, host=host,
+                                 ranks_per_node=tuple(place.group_rank for place in plan.places),
+                                 node_ids=tuple(node.node_id for node in plan.nodes))
 
     # -- jobs ---------------------------------------------------------------------------
     def start(self, spec: LaunchSpec) -> "RayJob":
         ray = self.connect()
         nodes = {n.node_id: n for n in self.nodes()}
         ranks = [p for p in spec.processes if p.rank is not None]
-        workers = [p for p in spec.processes if p.rank is None]
+        workers = [p for p in spec.processes if p.rank is None and not p.key.startswith(RELAY)]
         plan = placement.plan(list(nodes.values()), len(ranks), len(workers))
+        if len(workers) + len(ranks) < len(spec.processes) and plan.rank_nodes != self._planned.get(len(ranks)):
+            # The transport was made for another placement: its relays would serve the wrong ranks.
+            raise LaunchError("the cluster's nodes changed while the job was prepared; run the cell again")
         if spec.device == "cuda":
             info = self._describe([nodes[i] for i in set(plan.rank_nodes)])
             for node_id in set(plan.rank_nodes):
