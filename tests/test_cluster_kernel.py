@@ -115,10 +115,10 @@ def test_rank_zeros_file_is_in_the_working_directory(kernel):
 
 
 def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
+    others = set(_agents(ray_cluster))  # another kernel's agents (the module's) stay
     k = ray_cluster.kernel(str(tmp_path))
     try:
         assert k.run(f"%taas cluster {ray_cluster.address}").error is None
-        others = set(_agents(ray_cluster))  # another kernel's agents (the module's) stay
         k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
         deadline = time.monotonic() + 300
         while len(job_processes(ray_cluster)) < 4:

@@ -153,15 +153,18 @@ class NodeAgent:
             time.sleep(0.001)  # let a waiting stop() take the lock
 
     def stop(self, grace: float) -> None:
+        self._polled = time.monotonic()  # the kernel is alive
         with self._lock:
             if self._job is not None:
                 self._job.stop(grace)
 
     def fetch(self, key: str, name: str) -> bytes | None:
+        self._polled = time.monotonic()  # the kernel is alive
         job = self._job
         return job.fetch(key, name) if job is not None else None
 
     def request_stacks(self, keys: list[str]) -> list[str]:
+        self._polled = time.monotonic()  # the kernel is alive
         job = self._job
         return job.request_stacks(keys) if job is not None else []
 

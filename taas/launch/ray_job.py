@@ -119,6 +119,8 @@ class RayJob(JobHandle):
     def events(self, timeout: float):
         if not self._pending and self._polls:
             self._wait(timeout)
+        elif not self._pending:
+            time.sleep(timeout)  # nothing outstanding: wait as the contract says, never spin
         out, self._pending = self._pending, []
         return out
 
@@ -142,8 +144,18 @@ class RayJob(JobHandle):
             self._pending.extend(events)
             if finished:
                 self._finished.add(node_id)
+                self._unreported(node_id)
             else:
                 self._poll(node_id)
+
+    def _unreported(self, node_id: str) -> None:
+        """A node's job is over but some of its processes' exits never came (the agent ended
+        the job itself, see NodeAgent's watchdog): they are gone, report them so."""
+        for key, where in self._node_of.items():
+            if where == node_id and key not in self._exited:
+                log.debug("%s ended on node %s without an exit report", key, node_id)
+                self._exited.add(key)
+                self._pending.append(ProcessExit(key, self._pids.get(key, 0), -9))
 
     def _lose(self, node_id: str) -> None:
         """An agent (or its node) died: so did its processes (their start process's guard has
