@@ -135,20 +135,12 @@ def flush() -> None:
 
 def sweep() -> None:
     """Remove what a kernel that died left in the trash (its pid is in the name)."""
+    import psutil
+
     for path in glob.glob(os.path.join(tempfile.gettempdir(), _TRASH + "*")):
         match = re.match(r"(\d+)-", os.path.basename(path)[len(_TRASH):])
-        if match and not _alive(int(match.group(1))):
+        if match and not psutil.pid_exists(int(match.group(1))):
             remove(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 atexit.register(flush)
