@@ -176,13 +176,9 @@ class PrivateJob(JobHandle):
         return [k for k in keys if k in self.roots and stacks.request(self.roots[k], [k])]
 
     def layers(self) -> list[tuple[str, str]]:
-        out = []
-        for key, root in self.roots.items():
-            layer = os.path.join(root, "layer")
-            for name in os.listdir(layer) if os.path.isdir(layer) else []:
-                if os.path.isdir(os.path.join(layer, name, "upper")):
-                    out.append((name, os.path.join(layer, name, "upper")))
-        return out
+        from taas.launch.jobdir import layers  # each private root has the job directory's layout
+
+        return [layer for root in self.roots.values() for layer in layers(root)]
 
     def close(self) -> None:
         if self.closed:
