@@ -9,6 +9,7 @@ API (small on purpose; the Ray launcher's tests build on it)::
     cluster.run(argv, cwd=..., **subprocess_run_kwargs)  # a command inside; CompletedProcess
     cluster.popen(argv, cwd=..., **popen_kwargs)         # the same, not waited for
     cluster.command(argv, cwd=...)         # the argv that runs ``argv`` inside (nsenter + argv)
+    cluster.auth_env                       # RAY_AUTH_MODE=token and the token's path
     cluster.kernel(cwd, env=None, load_taas=True)  # a tests.kernel_driver.Kernel running inside
     cluster.processes()                    # every process inside, as psutil.Process (outer pids)
     cluster.stop()                         # SIGKILL of the namespace's init: everything ends
@@ -27,6 +28,12 @@ PID 1 of the namespace is tests/cluster_init.py: it starts the nodes, reaps orph
 death (``stop()``, or the test process dying: it exits when its stdin closes) makes the kernel
 kill every process inside.  ``ray stop`` is never needed, and must never run outside such a
 namespace (it kills every Ray process on the machine by name).
+
+The cluster runs with Ray's token authentication (``RAY_AUTH_MODE=token``), as a production
+cluster should: a random token in a file only its owner can read (``base/auth_token``, mode
+0600), named by ``RAY_AUTH_TOKEN_PATH``.  Every process put inside gets both variables (so the
+user's ``~/.ray/auth_token`` is never read or written; Ray >= 2.59 otherwise turns token mode on
+for a head whenever that file exists, and nodes started without it cannot join).
 
 Processes are put inside with ``nsenter --target INIT --net --pid --mount``: they see only
 loopback and the cluster.  A process outside (the test itself) cannot reach the cluster's
@@ -82,6 +89,17 @@ def _ray_executable() -> str | None:
     return candidate if os.access(candidate, os.X_OK) else shutil.which("ray")
 
 
+def write_auth_token(directory: str) -> dict[str, str]:
+    """A fresh Ray auth token in ``directory/auth_token``, created with mode 0600 (never
+    readable by others, not even for an instant); the environment that makes Ray use it."""
+    import secrets
+    path = os.path.join(directory, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": path}
+
+
 class ClusterError(RuntimeError):
     """The cluster did not start; the message carries the init's report and logs."""
 
@@ -100,6 +118,7 @@ class SimulatedCluster:
         self.failures: list[str] = []   # why earlier start attempts failed, if any
         self._unshare: subprocess.Popen | None = None
         self._lines: queue.Queue = queue.Queue()
+        self.auth_env: dict[str, str] = {}  # what a process needs to talk to the cluster
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -129,9 +148,10 @@ class SimulatedCluster:
         spec_path = os.path.join(self.base, "spec.json")
         with open(spec_path, "w") as f:
             json.dump({**self._spec(), "sequential": sequential}, f)
+        self.auth_env = write_auth_token(self.base)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         # TMPDIR: what Ray writes outside --temp-dir (ray_current_cluster) stays in ours.
-        env.update(TMPDIR=self.base, RAY_USAGE_STATS_ENABLED="0")
+        env.update(TMPDIR=self.base, RAY_USAGE_STATS_ENABLED="0", **self.auth_env)
         self._lines = queue.Queue()
         self._unshare = subprocess.Popen(
             ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child",
@@ -181,10 +201,12 @@ class SimulatedCluster:
 
     def command(self, argv: list[str], cwd: str | None = None) -> list[str]:
         """``argv`` prefixed to run inside the namespace, in ``cwd`` (default: this process's;
-        entering the mount namespace would otherwise put it in /)."""
+        entering the mount namespace would otherwise put it in /), with the cluster's
+        ``auth_env`` (``env`` execs: the pid and process group stay nsenter's child's)."""
         assert self.pid, "the cluster is not started"
+        auth = [f"{k}={v}" for k, v in sorted(self.auth_env.items())]
         return ["nsenter", "--target", str(self.pid), "--net", "--pid", "--mount",
-                f"--wd={os.path.abspath(cwd or os.getcwd())}", *argv]
+                f"--wd={os.path.abspath(cwd or os.getcwd())}", "env", *auth, *argv]
 
     def run(self, argv: list[str], cwd: str | None = None, **kw) -> subprocess.CompletedProcess:
         """``subprocess.run`` of ``argv`` inside the namespace."""

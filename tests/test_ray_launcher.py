@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+from tests.cluster import write_auth_token
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -75,9 +77,12 @@ def _children(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def cluster():
     temp = tempfile.mkdtemp(prefix="taas-ray-", dir="/tmp")  # short: Ray's socket paths
+    # Token authentication, as a production cluster has it (and never the user's ~/.ray token).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(write_auth_token(temp))
     proc = subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child",
                              sys.executable, "-c", INIT, temp],
-                            start_new_session=True, stdin=subprocess.DEVNULL)
+                            start_new_session=True, stdin=subprocess.DEVNULL, env=env)
     try:
         started = os.path.join(temp, "started")
         deadline = time.monotonic() + 180
@@ -104,9 +109,12 @@ def inside(init: int, *args: str) -> list[str]:
             sys.executable, "-m", "tests.ray_driver", *args]
 
 
-def driver_env() -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    env.pop("RAY_ADDRESS", None)
+def driver_env(temp: str) -> dict:
+    """The driver's environment: this one, taas importable, the cluster's token (what a user of
+    a token-authenticated cluster has), no other RAY_ settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=os.path.join(temp, "auth_token"))
     return env
 
 
@@ -115,7 +123,7 @@ def report(cluster):
     init, temp = cluster
     workdir = os.path.join(temp, "notebook")
     os.mkdir(workdir)
-    run = subprocess.run(inside(init, "127.0.0.1:6379", workdir), env=driver_env(),
+    run = subprocess.run(inside(init, "127.0.0.1:6379", workdir), env=driver_env(temp),
                          capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, f"the driver reported nothing (code {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
@@ -216,7 +224,7 @@ def test_a_killed_kernel_takes_its_agents_and_ranks_along(cluster, report):
     and their start processes take the ranks along.  (Runs after the other scenarios.)"""
     init, temp = cluster
     driver = subprocess.Popen(inside(init, "--orphan", "127.0.0.1:6379", os.path.join(temp, "notebook")),
-                              env=driver_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=driver_env(temp), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               text=True, start_new_session=True)
     try:
         pids = None
@@ -228,7 +236,7 @@ def test_a_killed_kernel_takes_its_agents_and_ranks_along(cluster, report):
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # nsenter and the driver below it: the "kernel"
         driver.wait()
-    check = subprocess.run(inside(init, "--wait-gone", json.dumps(pids), "60"), env=driver_env(),
+    check = subprocess.run(inside(init, "--wait-gone", json.dumps(pids), "60"), env=driver_env(temp),
                            capture_output=True, text=True, timeout=120)
     left = [line for line in check.stdout.splitlines() if line.startswith("LEFT ")]
     assert left == ["LEFT []"], check.stdout + check.stderr
