@@ -6,9 +6,9 @@ API (small on purpose; the Ray launcher's tests build on it)::
                                            # (one retry in a fresh namespace if a start fails)
     cluster.address                        # "127.0.0.1:6379" (reachable only inside)
     cluster.gpu_node_ips, cluster.cpu_node_ips   # ("127.0.1.1", "127.0.1.2"), ("127.0.2.1",)
-    cluster.run(argv, cwd=..., **subprocess_run_kwargs)  # a command inside; CompletedProcess
+    cluster.run(argv, cwd=..., auth=True, **subprocess_run_kwargs)  # a command inside; CompletedProcess
     cluster.popen(argv, cwd=..., **popen_kwargs)         # the same, not waited for
-    cluster.command(argv, cwd=...)         # the argv that runs ``argv`` inside (nsenter + argv)
+    cluster.command(argv, cwd=..., auth=True)  # the argv that runs ``argv`` inside (nsenter + argv)
     cluster.auth_env                       # RAY_AUTH_MODE=token and the token's path
     cluster.kernel(cwd, env=None, load_taas=True)  # a tests.kernel_driver.Kernel running inside
     cluster.processes()                    # every process inside, as psutil.Process (outer pids)
@@ -199,18 +199,23 @@ class SimulatedCluster:
 
     # -- inside the namespace -----------------------------------------------------------
 
-    def command(self, argv: list[str], cwd: str | None = None) -> list[str]:
+    def command(self, argv: list[str], cwd: str | None = None, auth: bool = True) -> list[str]:
         """``argv`` prefixed to run inside the namespace, in ``cwd`` (default: this process's;
         entering the mount namespace would otherwise put it in /), with the cluster's
-        ``auth_env`` (``env`` execs: the pid and process group stay nsenter's child's)."""
+        ``auth_env`` (``env`` execs: the pid and process group stay nsenter's child's), or
+        with token authentication explicitly off (``auth=False``: a client without the token)."""
         assert self.pid, "the cluster is not started"
-        auth = [f"{k}={v}" for k, v in sorted(self.auth_env.items())]
+        if auth:
+            settings = [f"{k}={v}" for k, v in sorted(self.auth_env.items())]
+        else:
+            settings = ["-u", "RAY_AUTH_TOKEN_PATH", "-u", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE=disabled"]
         return ["nsenter", "--target", str(self.pid), "--net", "--pid", "--mount",
-                f"--wd={os.path.abspath(cwd or os.getcwd())}", "env", *auth, *argv]
+                f"--wd={os.path.abspath(cwd or os.getcwd())}", "env", *settings, *argv]
 
-    def run(self, argv: list[str], cwd: str | None = None, **kw) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd: str | None = None, auth: bool = True,
+            **kw) -> subprocess.CompletedProcess:
         """``subprocess.run`` of ``argv`` inside the namespace."""
-        return subprocess.run(self.command(argv, cwd), **kw)
+        return subprocess.run(self.command(argv, cwd, auth), **kw)
 
     def popen(self, argv: list[str], cwd: str | None = None, **kw) -> subprocess.Popen:
         """``subprocess.Popen`` of ``argv`` inside the namespace (the Popen's pid is nsenter's,

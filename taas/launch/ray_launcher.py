@@ -60,6 +60,23 @@ def _ray():
     return ray
 
 
+def _connect_error(address: str, exc: BaseException) -> str:
+    """One line for a failed ``ray.init(address)``.  A refused token (Ray wraps its
+    AuthenticationError in a ConnectionError that only says "Failed to connect") says what the
+    user sets; taas itself never reads, writes or passes on a token: Ray does, from the
+    environment, as for any other Ray client."""
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e)
+           or "authentication token" in str(e).lower() for e in chain):
+        return (f"the Ray cluster at {address!r} refused this kernel's authentication token: it uses "
+                "token authentication; start the kernel with RAY_AUTH_MODE=token and the cluster's "
+                "token in RAY_AUTH_TOKEN_PATH (a file only you can read) or ~/.ray/auth_token")
+    return f"cannot connect to the Ray cluster at {address!r}: {_message(exc)}"
+
+
 class RayLauncher(Launcher):
     where = "the cluster"
 
@@ -83,8 +100,7 @@ class RayLauncher(Launcher):
                 try:
                     ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
                 except Exception as exc:  # broad: Ray raises ConnectionError, ValueError, RuntimeError...
-                    raise LaunchError(f"cannot connect to the Ray cluster at {self.address!r}: "
-                                      f"{_message(exc)}") from None
+                    raise LaunchError(_connect_error(self.address, exc)) from None
                 self._ours = True
             self._connected = True
         return ray
