@@ -25,7 +25,8 @@ Why a private network and PID namespace (``unshare --net --pid --fork --mount-pr
 host Ray binds its non-loopback address whatever it is told; inside a namespace that has only
 ``lo`` it cannot, and several nodes can each have their own 127.x address (lo holds 127/8).
 PID 1 of the namespace is tests/cluster_init.py: it starts the nodes, reaps orphans, and its
-death (``stop()``, or the test process dying: it exits when its stdin closes) makes the kernel
+death (``stop()``, or the test process dying: it exits when its stdin closes, and unshare has
+a parent-death signal that makes it kill the init) makes the kernel
 kill every process inside.  ``ray stop`` is never needed, and must never run outside such a
 namespace (it kills every Ray process on the machine by name).
 
@@ -87,6 +88,16 @@ def _ray_executable() -> str | None:
     """The ``ray`` command of this interpreter's environment (not whichever is first on PATH)."""
     candidate = os.path.join(os.path.dirname(sys.executable), "ray")
     return candidate if os.access(candidate, os.X_OK) else shutil.which("ray")
+
+
+def _die_with_parent() -> None:
+    """In unshare, before it execs: SIGKILL when the thread that started it ends (a test
+    session killed outright).  unshare's ``--kill-child`` then kills the init, and with it the
+    namespace.  Belt and braces with the init's end-of-stdin rule: a process forked (not
+    exec'd) by the owner could hold that pipe open."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def write_auth_token(directory: str) -> dict[str, str]:
@@ -157,7 +168,7 @@ class SimulatedCluster:
             ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child",
              sys.executable, _INIT, spec_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True)
+            env=env, start_new_session=True, preexec_fn=_die_with_parent)
         threading.Thread(target=self._read_lines, args=(self._unshare, self._lines),
                          daemon=True).start()
         deadline = time.monotonic() + timeout

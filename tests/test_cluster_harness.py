@@ -5,6 +5,7 @@ kernels inside its namespace, invisible outside it, and gone after stop()."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -141,27 +142,33 @@ def test_stop_leaves_no_process_of_the_namespace(tmp_path):
 
 
 OWNER = """
-import sys
+import os, sys
 sys.path.insert(0, sys.argv[1])
 from tests.cluster import SimulatedCluster
 cluster = SimulatedCluster(gpu_nodes=0, cpu_nodes=0).start()
-print(cluster.pid, cluster.base, flush=True)
+child = os.fork()  # holds the init's stdin pipe open after the owner dies, and prints its pid
+if child == 0:
+    os.setsid()
+    sys.stdin.read()
+    os._exit(0)
+print(cluster.pid, cluster.base, child, flush=True)
 sys.stdin.read()
 """
 
 
 def test_the_cluster_ends_when_its_owner_dies(tmp_path):
-    """A test session killed outright (no stop()) leaves no Ray process running: the init
-    exits when its stdin, held only by the owner, closes."""
+    """A test session killed outright (no stop()) leaves no Ray process running, even when a
+    process it forked still holds the init's stdin open: unshare dies with its parent (a
+    parent-death signal) and takes the init along."""
     reason = missing_requirements()
     if reason:
         pytest.skip(f"simulated Ray cluster: {reason}")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     owner = subprocess.Popen([sys.executable, "-c", OWNER, repo], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
-    base = None
+    base = child = None
     try:
-        pid, base = owner.stdout.readline().split()
+        pid, base, child = owner.stdout.readline().split()
         ns = os.readlink(f"/proc/{pid}/ns/pid")
         inside = [p for p in psutil.process_iter() if _pid_ns(p.pid) == ns]
         assert len(inside) > 3, inside  # the init, gcs_server, raylet, ...
@@ -171,6 +178,11 @@ def test_the_cluster_ends_when_its_owner_dies(tmp_path):
     finally:
         owner.kill()
         owner.wait()
+        if child:  # ours: the owner forked it; it ends with its stdin or now
+            try:
+                os.kill(int(child), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if base:
             shutil.rmtree(base, ignore_errors=True)  # stop() never ran to remove it
 
