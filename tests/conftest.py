@@ -6,8 +6,24 @@ import pytest
 
 from tests.cluster import SimulatedCluster, missing_requirements
 
-from tests.kernel_driver import (cmdline, listening_ports, process_name, shm_entries,
+from tests.kernel_driver import (Kernel, cmdline, listening_ports, process_name, shm_entries,
                                  unmapped_shm, wait_until_gone)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The notebook's working directory of the module's kernel."""
+    return tmp_path_factory.mktemp("notebook")
+
+
+@pytest.fixture(scope="module")
+def kernel(request, workdir):
+    """One real kernel per test module, in ``workdir``, with taas loaded; the module's
+    ``KERNEL_ENV`` (a dict, if it defines one) added to its environment.  A module that needs
+    another kernel defines its own ``kernel`` fixture."""
+    k = Kernel(str(workdir), env=getattr(request.module, "KERNEL_ENV", None))
+    yield k
+    k.shutdown()
 
 
 @pytest.fixture

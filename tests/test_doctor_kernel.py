@@ -7,16 +7,9 @@ import textwrap
 
 import pytest
 
-from tests.kernel_driver import Kernel, cell
+from tests.kernel_driver import cell
 
 pytestmark = pytest.mark.kernel
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = Kernel(str(tmp_path_factory.mktemp("notebook")))
-    yield k
-    k.shutdown()
 
 
 # Rank 1 waits in a barrier while the others wait in an all_reduce: nobody ever returns.

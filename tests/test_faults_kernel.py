@@ -11,18 +11,6 @@ from tests.kernel_driver import Kernel, cell
 pytestmark = pytest.mark.kernel
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("notebook")
-
-
-@pytest.fixture(scope="module")
-def kernel(workdir):
-    k = Kernel(str(workdir))
-    yield k
-    k.shutdown()
-
-
 # -- 1: only a real directive line is a directive ------------------------------------------------
 @pytest.mark.parametrize("code", [
     's = """\n#pragma taas --gpus 2\n"""\nimport os\nprint("plain", os.getpid(), len(s))',

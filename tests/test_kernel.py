@@ -15,18 +15,6 @@ from tests.kernel_driver import Kernel, cell, one_line_usage_error, open_files, 
 pytestmark = pytest.mark.kernel
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("notebook")
-
-
-@pytest.fixture(scope="module")
-def kernel(workdir):
-    k = Kernel(str(workdir))
-    yield k
-    k.shutdown()
-
-
 def test_pragma_cell_runs_ranks_with_notebook_code_and_brings_results_back(kernel, clean):
     setup = kernel.run(cell("""
         import torch, torch.nn as nn

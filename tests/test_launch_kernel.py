@@ -18,18 +18,6 @@ from tests.kernel_driver import (Kernel, cell, one_line_usage_error, process_nam
 pytestmark = pytest.mark.kernel
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("launch")
-
-
-@pytest.fixture(scope="module")
-def kernel(workdir):
-    k = Kernel(str(workdir))
-    yield k
-    k.shutdown()
-
-
 # -- 2. sizes ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags, says", [
     ("--gpus 100000000000000000000", "1024 ranks at most"),

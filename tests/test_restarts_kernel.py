@@ -17,16 +17,7 @@ from tests.kernel_driver import Kernel, OFFLINE, cell, one_line_usage_error, pla
 pytestmark = pytest.mark.kernel
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("notebook")
-
-
-@pytest.fixture(scope="module")
-def kernel(workdir):
-    k = Kernel(str(workdir), env=OFFLINE)
-    yield k
-    k.shutdown()
+KERNEL_ENV = OFFLINE  # the module's kernel (tests/conftest.py) runs offline
 
 
 def test_a_failed_attempt_restarts_and_reads_rank_zeros_checkpoint(kernel, clean, workdir):

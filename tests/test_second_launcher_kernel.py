@@ -30,11 +30,6 @@ pytestmark = pytest.mark.kernel
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("notebook")
-
-
-@pytest.fixture(scope="module")
 def kernel(workdir):
     k = Kernel(str(workdir), env=dict(OFFLINE, TAAS_LAUNCHER="tests.private_launcher:PrivateLauncher"))
     run = k.run("import taas; print(type(taas._loaded['session'].launcher).__name__)")

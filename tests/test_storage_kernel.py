@@ -8,21 +8,12 @@ import re
 
 import pytest
 
-from tests.kernel_driver import Kernel, OFFLINE, cell, plain
+from tests.kernel_driver import OFFLINE, cell, plain
 
 pytestmark = pytest.mark.kernel
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("notebook")
-
-
-@pytest.fixture(scope="module")
-def kernel(workdir):
-    k = Kernel(str(workdir), env=OFFLINE)
-    yield k
-    k.shutdown()
+KERNEL_ENV = OFFLINE  # the module's kernel (tests/conftest.py) runs offline
 
 
 @pytest.fixture
