@@ -8,7 +8,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -22,6 +21,7 @@ from taas.data.transport import (
 )
 from taas.data.view import LoaderView
 from taas.launch.local import LocalLauncher
+from tests.forks import exit_code, fork_job_process, no_leftover_children  # noqa: F401 (an autouse fixture)
 
 SHM = "taas.data.shm_transport:ShmTransport"
 
@@ -52,31 +52,6 @@ def run_hook(hook) -> None:
     subprocess.run([sys.executable, "-c", code], input=pickle.dumps(hook), env=env, check=True, timeout=120)
 
 
-def fork_worker(spec, job_dir: str) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.environ["TAAS_JOB_DIR"] = job_dir
-            os.environ.pop("TAAS_EVENTS_FD", None)
-            code = worker.main(spec)
-        finally:
-            os._exit(code)
-    return pid
-
-
-def wait_exit(pid: int, timeout: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    raise AssertionError("loader worker did not finish")
-
-
 def test_the_local_launcher_names_the_shared_memory_transport():
     transport = LocalLauncher().data_transport()  # no start process is started for this
     assert issubclass(transport, Transport) and transport is resolve(SHM)
@@ -93,13 +68,13 @@ def test_plane_worker_and_view_work_with_a_transport_given_by_name(registered, t
         assert pickle.loads(pickle.dumps(cfg["address"])) == cfg["address"]  # it travels to ranks
         specs = plane.processes({})
         assert len(specs) == 2 and all(isinstance(s.args[0]["loader"], bytes) for s in specs)
-        pids = [fork_worker(spec, str(tmp_path)) for spec in specs]
+        pids = [fork_job_process(worker.main, spec, str(tmp_path)) for spec in specs]
         view = LoaderView(cfg, 0)
         view._await_prefetch()
         got = [t for t in view]
         assert [t.tolist() for t in got] == [[float(i)] * 3 for i in range(6)]
         view._close()
-        assert [wait_exit(pid) for pid in pids] == [0, 0]
+        assert [exit_code(pid) for pid in pids] == [0, 0]
         pids = []
         snapshot = plane.snapshot()
         assert [s["worker"] for s in snapshot] == [0, 1]

@@ -15,6 +15,7 @@ import torch
 
 from taas.data import segment, shm
 from taas.data.transport import DATA, PASS_END
+from tests.forks import exit_code, fork, no_leftover_children  # noqa: F401 (an autouse fixture)
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -50,52 +51,16 @@ def channel(tmp_path):
 
 
 def produce(seg_name, fifos, values, pass_end=None):
-    """Fork a producer that puts ``values`` as units 0.. and exits 0 (1 if a put failed)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
-            gc.disable()  # units must be freed by reference counting alone: no cycles
-            seg = segment.Segment.attach(seg_name)
-            tx = shm.ShmSender(seg, 0, fifos)
-            ok = all(tx.put(u, v) for u, v in enumerate(values))
-            if ok and pass_end is not None:
-                ok = tx.end_pass(0, pass_end)
-            code = 0 if ok else 3
-        finally:
-            os._exit(code)
-    _forked.append(pid)
-    return pid
-
-
-def exit_code(pid, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            _forked.remove(pid)
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    raise AssertionError("producer did not finish")
-
-
-_forked: list[int] = []
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_children():
-    """A failed test must not leave a producer blocked forever."""
-    yield
-    while _forked:
-        pid = _forked.pop()
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+    """Fork a producer that puts ``values`` as units 0.. and exits 0 (3 if a put failed)."""
+    def body() -> int:
+        gc.disable()  # units must be freed by reference counting alone: no cycles
+        seg = segment.Segment.attach(seg_name)
+        tx = shm.ShmSender(seg, 0, fifos)
+        ok = all(tx.put(u, v) for u, v in enumerate(values))
+        if ok and pass_end is not None:
+            ok = tx.end_pass(0, pass_end)
+        return 0 if ok else 3
+    return fork(body)
 
 
 def structures():
@@ -231,15 +196,11 @@ def test_a_closed_consumer_releases_a_waiting_producer(channel):
 def test_a_dead_consumer_releases_a_waiting_producer(channel):
     seg, fifos = channel(1 << 20)
     pid = produce(seg.name, fifos, [torch.ones(200_000)] * 20)
-    consumer = os.fork()
-    if consumer == 0:
-        try:
-            torch.set_num_threads(1)
-            shm.ShmReceiver(segment.Segment.attach(seg.name), 0, fifos)
-            time.sleep(0.3)
-        finally:
-            os._exit(0)
-    _forked.append(consumer)
+    def consumer_body() -> int:
+        shm.ShmReceiver(segment.Segment.attach(seg.name), 0, fifos)
+        time.sleep(0.3)
+        return 0
+    consumer = fork(consumer_body)
     assert exit_code(consumer) == 0
     assert exit_code(pid, timeout=5) == 3
 

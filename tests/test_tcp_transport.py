@@ -25,52 +25,16 @@ from taas.data.transport import BLOCKED, DATA, PASS_END, attach, resolve
 from taas.data.view import LoaderView
 from taas.launch.api import ProcessSpec
 from tests.test_data_contract import job_shm, registered, run_hook  # noqa: F401 (a fixture)
+from tests import forks
+from tests.forks import exit_code, fork_job_process, no_leftover_children  # noqa: F401 (an autouse fixture)
 from tests.test_data_transport import same, structures
 
 TCP = "taas.data.tcp_transport:TcpTransport"
 MiB = 1 << 20
 
-_forked: list[int] = []
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_children():
-    """A failed test must not leave a relay or a worker behind."""
-    yield
-    while _forked:
-        pid = _forked.pop()
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-
-
 def fork(spec: ProcessSpec, job_dir: str) -> int:
     """Run a job process (a loader worker or a relay) as a launcher would: ``entry(spec)``."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            torch.set_num_threads(1)
-            os.environ["TAAS_JOB_DIR"] = job_dir
-            os.environ.pop("TAAS_EVENTS_FD", None)
-            code = resolve(spec.entry)(spec)
-        finally:
-            os._exit(code)
-    _forked.append(pid)
-    return pid
-
-
-def wait_exit(pid: int, timeout: float = 120.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            _forked.remove(pid)
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not finish")
+    return fork_job_process(resolve(spec.entry), spec, job_dir)
 
 
 def wait_for(predicate, what: str, timeout: float = 120.0):
@@ -118,7 +82,7 @@ def run_job(plane: DataPlane, job_id: str, tmp_path, ranks: int):
     snapshot = plane.snapshot()
     for view in views:
         view._close()
-    codes = {key: wait_exit(pid) for key, pid in pids.items()}
+    codes = {key: exit_code(pid) for key, pid in pids.items()}
     assert set(codes.values()) == {0}, codes  # the relays end once their ranks have gone
     return got, snapshot, ports
 
@@ -241,9 +205,9 @@ def test_a_slow_rank_bounds_what_is_in_flight(tmp_path):
             del value
         assert rx.peek().kind == PASS_END
         rx.skip()
-        assert wait_exit(pids.pop()) == 0
+        assert exit_code(pids.pop()) == 0
         rx.close()
-        assert wait_exit(pids.pop()) == 0  # the relay: its only rank has gone
+        assert exit_code(pids.pop()) == 0  # the relay: its only rank has gone
         header.close()
         endpoint.close()
     finally:
@@ -252,24 +216,17 @@ def test_a_slow_rank_bounds_what_is_in_flight(tmp_path):
 
 
 def fork_producer(address, units: int) -> int:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            torch.set_num_threads(1)
-            endpoint = attach(address)
-            control = endpoint.worker(0)
-            tx = endpoint.sender(0, lambda waiting: control.set_state(BLOCKED if waiting else 1, 0))
-            for u in range(units):
-                assert tx.put(u, torch.full((MiB // 4,), float(u)))
-                control.produced(u + 1)
-            tx.end_pass(0, units)
-            control.set_state(3)
-            code = 0
-        finally:
-            os._exit(code)
-    _forked.append(pid)
-    return pid
+    def body() -> int:
+        endpoint = attach(address)
+        control = endpoint.worker(0)
+        tx = endpoint.sender(0, lambda waiting: control.set_state(BLOCKED if waiting else 1, 0))
+        for u in range(units):
+            assert tx.put(u, torch.full((MiB // 4,), float(u)))
+            control.produced(u + 1)
+        tx.end_pass(0, units)
+        control.set_state(3)
+        return 0
+    return forks.fork(body)
 
 
 def test_the_cleanup_hook_removes_a_killed_relays_memory(tmp_path):
@@ -283,7 +240,7 @@ def test_the_cleanup_hook_removes_a_killed_relays_memory(tmp_path):
         wait_for(lambda: os.path.isdir(fifo_directory(job_id, 0)), "the relay to set up")
         assert job_shm(job_id)
         os.kill(pid, 9)
-        wait_exit(pid)
+        exit_code(pid)
         run_hook(transport.cleanup())
         assert job_shm(job_id) == [] and not os.path.exists(fifo_directory(job_id, 0))
     finally:
