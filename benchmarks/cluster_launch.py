@@ -63,7 +63,11 @@ def train_fn():
 
 trainer_s = []
 try:
+    import ray
     from ray.train import RunConfig, ScalingConfig
+    # The same cluster (session.close() ended taas's connection; without an address, fit()
+    # would start a private local cluster instead and time that).
+    ray.init(address=address, log_to_driver=False)
     from ray.train.torch import TorchTrainer
     for _ in range(2):
         t0 = time.perf_counter()
