@@ -101,3 +101,34 @@ def test_stop_while_a_long_poll_waits(agent, tmp_path):
 def test_no_job_reports_finished_at_once(agent):
     assert agent.events(5.0) == ([], True)
     assert agent.fetch("rank0", "result.pkl") is None and agent.layers() == []
+
+
+def test_a_slow_kernel_is_not_taken_for_a_dead_one_and_a_gone_one_ends_the_job(tmp_path, monkeypatch):
+    """The watchdog ends a node's job when the kernel is gone (an event: ``kernel_gone()``
+    says so), and never because the kernel was slow to poll while it can tell."""
+    import taas.launch.ray_agent as ray_agent
+
+    monkeypatch.setenv("TAAS_NODE_ID", "")
+    monkeypatch.setattr(ray_agent, "WATCH_EVERY", 0.05)
+    monkeypatch.setattr(ray_agent, "SILENT", 0.2)  # a silence this short would end the job ...
+    said = {"gone": False}
+    watched = threading.Event()
+
+    def kernel_gone():
+        watched.set()
+        return said["gone"]
+
+    agent = NodeAgent("node-under-test", "127.0.0.1", kernel_gone)
+    try:
+        pids = agent.start(spec(tmp_path, "hang", 2), {})
+        since = time.monotonic()
+        while time.monotonic() - since < 3 * ray_agent.SILENT:  # ... but the kernel is known
+            watched.clear()                                      # alive: looks, and no end
+            assert watched.wait(60)
+        assert agent._job is not None and not agent._job.finished
+        assert all(psutil.pid_exists(p) for p in pids.values())
+        said["gone"] = True
+        assert gone(list(pids.values()), timeout=60)
+        assert agent._job is None
+    finally:
+        agent.shutdown()

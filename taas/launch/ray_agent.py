@@ -27,13 +27,17 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 from taas.launch import rendezvous
 from taas.launch.api import LaunchSpec
 from taas.launch.local import LocalJob, LocalLauncher
 
 _SLICE = 0.05  # how long one read of the job's pipes holds the lock
-ORPHANED = 5.0  # seconds without an events() call from the kernel, while a job runs: it is gone
+WATCH_EVERY = 0.5  # seconds between two looks at whether the kernel is still there
+# Seconds without any call from the kernel, while a job runs, after which it counts as gone when
+# nothing better says so (see NodeAgent._watch_kernel): long, because a busy kernel is slow.
+SILENT = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ def _import_torch() -> None:
 
 
 class NodeAgent:
-    def __init__(self, node_id: str, ip: str):
+    def __init__(self, node_id: str, ip: str, kernel_gone: Callable[[], bool | None] | None = None):
         # Every process taas starts on this node (the start process and all it forks) says
         # which Ray node it runs on.
         os.environ["TAAS_NODE_ID"] = node_id
@@ -70,24 +74,36 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._job: LocalJob | None = None
         self._stores: dict[str, object] = {}
-        self._polled = time.monotonic()  # the kernel's last events() call
+        self._polled = time.monotonic()  # the kernel's last call
+        self._kernel_gone = kernel_gone or (lambda: None)
         threading.Thread(target=_import_torch, name="taas-agent-torch", daemon=True).start()
         threading.Thread(target=self._watch_kernel, name="taas-agent-watchdog", daemon=True).start()
 
     def _watch_kernel(self) -> None:
-        """While a job runs here, the kernel keeps an events() call outstanding (a new one at
-        least every second).  If none came for ORPHANED s, the kernel is gone (killed, its node
-        lost): end the job's processes now rather than when Ray gets round to ending this
-        actor, which can take many seconds on a busy cluster."""
+        """While a job runs here, end it as soon as the kernel is gone (killed, or its node
+        lost), rather than when Ray gets round to ending this actor, which can take many
+        seconds on a busy cluster.
+
+        Gone is an event, not a silence: ``kernel_gone()`` (given by the launcher: whether
+        the kernel's Ray driver has ended, which Ray records as soon as the driver's
+        connection closes) says so.  A slow kernel is never taken for a dead one: only when
+        ``kernel_gone`` cannot tell (None) does a silence of SILENT s count."""
         while True:
-            time.sleep(1.0)
+            time.sleep(WATCH_EVERY)
             with self._lock:
                 job = self._job
-                if job is None or job.finished or time.monotonic() - self._polled < ORPHANED:
+                if job is None or job.finished:
                     continue
-                log.warning("no word from the kernel for %.0f s: ending its job on this node", ORPHANED)
-                self._job.close()
-                self._job = None
+            gone = self._kernel_gone()  # outside the lock: it may ask the cluster
+            if gone is None:
+                gone = time.monotonic() - self._polled > SILENT
+            if not gone:
+                continue
+            with self._lock:
+                if self._job is job:
+                    log.warning("the kernel is gone: ending its job on this node")
+                    self._job.close()
+                    self._job = None
 
     def describe(self) -> dict:
         return {"node_id": self.node_id, "ip": self.ip, "cuda": visible_cuda(), "pid": os.getpid()}
@@ -170,6 +186,7 @@ class NodeAgent:
 
     def layers(self) -> list[tuple[str, str]]:
         """Paths on this node; the kernel reads them only where nodes share the filesystem."""
+        self._polled = time.monotonic()  # the kernel is alive
         job = self._job
         return job.layers() if job is not None else []
 

@@ -77,6 +77,27 @@ def _connect_error(address: str, exc: BaseException) -> str:
     return f"cannot connect to the Ray cluster at {address!r}: {_message(exc)}"
 
 
+def kernel_gone() -> bool | None:
+    """In an agent: whether the kernel that owns it (its Ray job's driver) has ended, as the
+    GCS records it: at once when the driver's connection to its raylet closes (a killed
+    kernel), or when its node is declared dead.  None when the GCS cannot be asked (a Ray
+    without this internal call, or no answer in 10 s): the agent then falls back to the
+    kernel's silence."""
+    try:
+        import ray
+
+        job = ray.get_runtime_context().get_job_id()
+        client = ray._private.worker.global_worker.gcs_client
+        jobs = client.get_all_job_info(job_or_submission_id=job, skip_submission_job_info_field=True,
+                                       skip_is_running_tasks_field=True, timeout=10)
+        for info in jobs.values():
+            if info.job_id.hex() == job:
+                return bool(info.is_dead)
+        return None
+    except Exception:  # broad: internal API; whatever fails, the agent cannot tell
+        return None
+
+
 class RayLauncher(Launcher):
     where = "the cluster"
 
@@ -126,7 +147,7 @@ class RayLauncher(Launcher):
                 num_cpus=0, max_concurrency=8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
                 runtime_env={"env_vars": {"PYTHONPATH": path}},
-            ).remote(node.node_id, node.ip)
+            ).remote(node.node_id, node.ip, kernel_gone)
             self._agents[node.node_id] = agent
         return agent
 
