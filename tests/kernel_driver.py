@@ -46,6 +46,7 @@ class CellRun:
     result: str | None = None  # execute_result text/plain
     displays: list = field(default_factory=list)
     status: str = ""
+    messages: list = field(default_factory=list)  # every iopub message of the cell, in order
 
     @property
     def traceback(self) -> str:
@@ -128,6 +129,7 @@ class Kernel:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
+            out.messages.append(msg)
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
                 if content["name"] == "stdout":
