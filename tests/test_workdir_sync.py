@@ -140,3 +140,17 @@ def test_read_tree_sends_a_layer_whole(tmp_path):
     assert [e[0] for e in entries] == ["logs", "logs/rank1.txt", "rng_state_1.pth"]
     assert ws.apply(str(tmp_path / "copy"), entries) == []
     assert (tmp_path / "copy" / "logs" / "rank1.txt").read_bytes() == b"log"
+
+
+def test_a_dead_agents_copy_is_removed_by_its_guard(tmp_path, monkeypatch):
+    """The start process's guard outlives an agent killed without shutdown: it removes the
+    agent's copies (named by the agent's pid), and only those."""
+    import tempfile
+
+    from taas.launch import starter
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    write(tmp_path / "taas-workdir-4242-abc" / "notebook" / "data.txt")
+    write(tmp_path / "taas-workdir-4243-abc" / "notebook" / "data.txt")
+    starter._remove_kernel_trash(4242)
+    assert sorted(os.listdir(tmp_path)) == ["taas-workdir-4243-abc"]
