@@ -103,7 +103,8 @@ class RayJob(JobHandle):
         shared = [ray.put(_read_fd(fd)) for fd in spec.shared_fds]
         calls = {}
         for node_id, procs in per_node.items():
-            sub = LaunchSpec(spec.job_id, self._workdirs.get(node_id, spec.cwd), tuple(procs), {}, (), spec.device, spec.restart,
+            cwd = self._workdirs.get(node_id, spec.cwd)  # the node's copy, where it has one
+            sub = LaunchSpec(spec.job_id, cwd, tuple(procs), {}, (), spec.device, spec.restart,
                              spec.max_restarts, spec.cleanups, placed=True)
             calls[node_id] = self._agents[node_id].start.remote(sub, files, *shared)
         errors = []
@@ -296,13 +297,14 @@ class RayJob(JobHandle):
                 if node_id not in self._workdirs:
                     continue
                 for name, entries in found:
-                    if self._layer_root is None:
-                        try:
+                    try:  # never raises: the supervisor closes the job right after the merge
+                        if self._layer_root is None:
                             self._layer_root = tempfile.mkdtemp(prefix=f"taas-{self._attempt}-layers-")
-                        except OSError as exc:
-                            raise jobdir.no_room("fetch the ranks' layers", exc) from None
-                    upper = os.path.join(self._layer_root, name)
-                    os.mkdir(upper)
+                        upper = os.path.join(self._layer_root, name)
+                        os.mkdir(upper)
+                    except OSError as exc:
+                        log.warning("%s", jobdir.no_room(f"fetch {name}'s layer", exc))
+                        continue
                     workdir_sync.apply(upper, entries)
                     out.append((name, upper))
         return out
