@@ -154,3 +154,24 @@ def test_a_dead_agents_copy_is_removed_by_its_guard(tmp_path, monkeypatch):
     write(tmp_path / "taas-workdir-4243-abc" / "notebook" / "data.txt")
     starter._remove_kernel_trash(4242)
     assert sorted(os.listdir(tmp_path)) == ["taas-workdir-4243-abc"]
+
+
+def test_the_watcher_removes_a_dead_agents_copies(tmp_path, monkeypatch):
+    """Ray kills an ended agent's children: a detached watcher removes its copies."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    write(tmp_path / f"taas-workdir-{agent.pid}-abc" / "notebook" / "data.txt")
+    write(tmp_path / "taas-workdir-1-abc" / "notebook" / "data.txt")  # another agent's
+    ws.watch(agent.pid)
+    time.sleep(0.5)
+    assert (tmp_path / f"taas-workdir-{agent.pid}-abc").exists()  # alive: kept
+    agent.stdin.close()
+    agent.wait()
+    deadline = time.monotonic() + 30
+    while (tmp_path / f"taas-workdir-{agent.pid}-abc").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(os.listdir(tmp_path)) == ["taas-workdir-1-abc"]

@@ -19,8 +19,8 @@ address, port 0: torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` arrangement across 
 A node that does not share the kernel's filesystem keeps a copy of the notebook's working
 directory (:mod:`taas.launch.workdir_sync`): ``<tmp>/taas-workdir-<agent pid>-XXXX/<name>``,
 updated before each job (:meth:`workdir_need`, :meth:`workdir_update`), read back after it
-(:meth:`workdir_changes`, :meth:`layer_entries`), removed at :meth:`shutdown` -- and by the
-start process's guard when the agent dies without one (its pid is in the name).
+(:meth:`workdir_changes`, :meth:`layer_entries`), removed at :meth:`shutdown` -- and by a
+detached watcher when the agent dies without one (:func:`taas.launch.workdir_sync.watch`).
 
 Nothing here imports Ray: the class is tested as it is, on one machine.
 """
@@ -124,9 +124,11 @@ class NodeAgent:
         path, held = self._copies.get(cwd, (None, {}))
         if path is None:
             try:
-                top = tempfile.mkdtemp(prefix=f"taas-workdir-{os.getpid()}-")
+                top = tempfile.mkdtemp(prefix=f"{workdir_sync.COPY_PREFIX}{os.getpid()}-")
             except OSError as exc:
                 raise jobdir.no_room("copy the working directory", exc) from None
+            if not self._copies:
+                workdir_sync.watch(os.getpid())  # removes the copies if we die without shutdown()
             path = os.path.join(top, os.path.basename(cwd.rstrip(os.sep)) or "workdir")
             os.mkdir(path)
         failed = workdir_sync.apply(path, entries, workdir_sync.diff(held, manifest)[1])

@@ -272,3 +272,60 @@ def read_tree(root: str) -> list[tuple]:
 
     walk(root, "")
     return pack(root, manifest, sorted(manifest))
+
+
+# -- the node's clean-up -----------------------------------------------------------------------
+COPY_PREFIX = "taas-workdir-"  # <tmp>/taas-workdir-<agent pid>-XXXX: one agent's copies
+
+
+def watch(agent_pid: int) -> None:
+    """Start a detached watcher that removes ``agent_pid``'s copies once that process is gone.
+
+    Why a process of its own, detached (double fork, new session): an agent that Ray ends
+    (the kernel's connection ended) has its direct children killed with it (Ray's
+    ``kill_child_processes_on_worker_exit``) -- the start process's guard included -- so
+    nothing below the agent could remove the copies.  The watcher holds nothing but the pid."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "taas.launch.workdir_sync", str(agent_pid)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc.wait()  # the intermediate process exits at once; its child watches
+
+
+def _watcher(agent_pid: int) -> None:
+    import glob
+    import tempfile
+    import time
+
+    if os.fork():
+        os._exit(0)  # the intermediate: the watcher is nobody's child in the agent's tree
+    try:
+        with open(f"/proc/{agent_pid}/stat", "rb") as f:
+            started = f.read().rsplit(b")", 1)[1].split()[19]  # start time: a reused pid differs
+    except OSError:
+        started = None
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{agent_pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[19] == started
+        except OSError:
+            return False
+
+    while started is not None and alive():
+        time.sleep(1.0)
+    from taas.launch.jobdir import remove
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{COPY_PREFIX}{agent_pid}-*")):
+        remove(path)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _watcher(int(sys.argv[1]))
