@@ -124,20 +124,50 @@ class TaasMagics(Magics):
         return f"{label[0]} {label[1]}" if label else None
 
     def _status(self, line: str) -> None:
-        """``%taas``: where jobs run and what the last one did; ``%taas cluster ADDRESS|local``
-        sets where the session's cells run."""
+        """``%taas``: where jobs run and what the last one did; ``%taas cluster ADDRESS|local
+        [--workdir auto|shared|copy] [--workdir-limit SIZE]`` sets where the session's cells run."""
         from taas import status
 
         words = line.split()
         try:
             if words and words[0] == "cluster":
-                if len(words) > 2:
-                    raise UsageError("%taas cluster takes one address (what ray.init(address=...) "
-                                     "takes) or 'local'")
-                print("\n".join(self.session.use_cluster(words[1] if len(words) > 1 else None)))
+                address, settings = _cluster_words(words[1:])
+                print("\n".join(self.session.use_cluster(address, **settings)))
                 return
             if words:
                 raise UsageError(f"%taas takes no arguments but 'cluster ADDRESS|local', got {line.strip()!r}")
             print(status.render(self.session))
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
+
+
+_CLUSTER_USAGE = ("%taas cluster takes one address (what ray.init(address=...) takes) or 'local', "
+                  "and optionally --workdir auto|shared|copy and --workdir-limit SIZE (like 2G)")
+
+
+def _cluster_words(words: list[str]) -> tuple[str | None, dict]:
+    """``%taas cluster``'s words: the address (or None) and the working directory's settings."""
+    from taas.launch import workdir_sync
+
+    address, settings = None, {}
+    words = [part for word in words for part in (word.split("=", 1) if word.startswith("--") else [word])]
+    while words:
+        word = words.pop(0)
+        if word in ("--workdir", "--workdir-limit"):
+            if not words:
+                raise UsageError(_CLUSTER_USAGE)
+            value = words.pop(0)
+            if word == "--workdir":
+                if value not in workdir_sync.MODES:
+                    raise UsageError(f"--workdir takes auto, shared or copy, not {value!r}")
+                settings["workdir"] = value
+            else:
+                try:
+                    settings["workdir_limit"] = workdir_sync.parse_size(value)
+                except ValueError as exc:
+                    raise UsageError(f"--workdir-limit: {exc}") from None
+        elif word.startswith("-") or address is not None:
+            raise UsageError(_CLUSTER_USAGE)
+        else:
+            address = word
+    return address, settings

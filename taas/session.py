@@ -76,6 +76,10 @@ class Session:
         # with RAY_ADDRESS set); None: $RAY_ADDRESS, else this machine.
         self.cluster: str | None = None
         self._cluster_launcher = None  # the RayLauncher of the cluster used last
+        # ``%taas cluster ... --workdir MODE --workdir-limit SIZE``: how the notebook's working
+        # directory reaches cluster nodes (taas.launch.workdir_sync); None limit: the default.
+        self.workdir = "auto"
+        self.workdir_limit: int | None = None
         self.last: JobStats | None = None
         self.job_ids: list[str] = []  # every job this session ran, oldest first
         # One job at a time per kernel (a cell may run one from a thread): the launcher's
@@ -114,12 +118,21 @@ class Session:
             if current is not None:
                 current.shutdown()
             self._cluster_launcher = RayLauncher(address)
+        self._cluster_launcher.workdir = self.workdir
+        self._cluster_launcher.workdir_limit = self.workdir_limit
         return self._cluster_launcher
 
-    def use_cluster(self, address: str | None) -> list[str]:
+    def use_cluster(self, address: str | None, workdir: str | None = None,
+                    workdir_limit: int | None = None) -> list[str]:
         """``%taas cluster ADDRESS|local``: the session's default from now on; connects at once
-        (so a wrong address shows now) and returns the lines that describe it."""
+        (so a wrong address shows now) and returns the lines that describe it.  ``workdir``
+        (auto, shared, copy) and ``workdir_limit`` (bytes), when given, say how the notebook's
+        working directory reaches the nodes from now on."""
         self.cluster = address or "local"
+        if workdir is not None:
+            self.workdir = workdir
+        if workdir_limit is not None:
+            self.workdir_limit = workdir_limit
         return self.launcher_for(self.cluster_address()).describe()
 
     # ------------------------------------------------------------------------------------

@@ -16,6 +16,12 @@ at most one slice.
 Node 0's agent also hosts the attempt's rendezvous store (:meth:`host_store`), on its node's
 address, port 0: torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` arrangement across nodes.
 
+A node that does not share the kernel's filesystem keeps a copy of the notebook's working
+directory (:mod:`taas.launch.workdir_sync`): ``<tmp>/taas-workdir-<agent pid>-XXXX/<name>``,
+updated before each job (:meth:`workdir_need`, :meth:`workdir_update`), read back after it
+(:meth:`workdir_changes`, :meth:`layer_entries`), removed at :meth:`shutdown` -- and by a
+detached watcher when the agent dies without one (:func:`taas.launch.workdir_sync.watch`).
+
 Nothing here imports Ray: the class is tested as it is, on one machine.
 """
 
@@ -29,7 +35,7 @@ import threading
 import time
 from typing import Callable
 
-from taas.launch import rendezvous
+from taas.launch import jobdir, rendezvous, workdir_sync
 from taas.launch.api import LaunchSpec
 from taas.launch.local import LocalJob, LocalLauncher
 
@@ -74,6 +80,7 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._job: LocalJob | None = None
         self._stores: dict[str, object] = {}
+        self._copies: dict[str, tuple[str, dict]] = {}  # kernel's cwd -> (copy here, its manifest)
         self._polled = time.monotonic()  # the kernel's last call
         self._kernel_gone = kernel_gone or (lambda: None)
         threading.Thread(target=_import_torch, name="taas-agent-torch", daemon=True).start()
@@ -107,6 +114,68 @@ class NodeAgent:
 
     def describe(self) -> dict:
         return {"node_id": self.node_id, "ip": self.ip, "cuda": visible_cuda(), "pid": os.getpid()}
+
+    # -- the working directory, where this node does not share it ------------------------------
+    def sees(self, path: str, content: bytes) -> bool:
+        """Whether this node sees the kernel's marker file ``path`` with ``content``: it shares
+        the kernel's working directory."""
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(content) + 1) == content
+        except OSError:
+            return False
+
+    def workdir_need(self, cwd: str, manifest: dict) -> list[str]:
+        """The paths of the kernel's ``manifest`` of ``cwd`` that this node's copy lacks."""
+        self._polled = time.monotonic()  # the kernel is alive
+        held = self._copies.get(cwd, (None, {}))[1]
+        return workdir_sync.diff(held, manifest)[0]
+
+    def workdir_update(self, cwd: str, manifest: dict, entries: list) -> str:
+        """Bring this node's copy of ``cwd`` to ``manifest`` (``entries``: what it lacked);
+        returns the copy's path, where this node's processes start."""
+        import tempfile
+
+        self._polled = time.monotonic()
+        path, held = self._copies.get(cwd, (None, {}))
+        if path is None:
+            try:
+                top = tempfile.mkdtemp(prefix=f"{workdir_sync.COPY_PREFIX}{os.getpid()}-")
+            except OSError as exc:
+                raise jobdir.no_room("copy the working directory", exc) from None
+            if not self._copies:
+                workdir_sync.watch(os.getpid())  # removes the copies if we die without shutdown()
+            path = os.path.join(top, os.path.basename(cwd.rstrip(os.sep)) or "workdir")
+            os.mkdir(path)
+        failed = workdir_sync.apply(path, entries, workdir_sync.diff(held, manifest)[1])
+        self._copies[cwd] = (path, workdir_sync.scan(path))
+        if failed:
+            from taas.errors import LaunchError
+
+            raise LaunchError(f"could not copy {len(failed)} path(s) of the working directory to "
+                              f"node {self.ip} (like {failed[0]!r}): is {os.path.dirname(path)} full?")
+        return path
+
+    def workdir_changes(self, cwd: str) -> tuple[list, list[str]]:
+        """What the job changed in this node's copy of ``cwd``: ``(entries, deleted paths)``."""
+        self._polled = time.monotonic()
+        path, held = self._copies.get(cwd, (None, {}))
+        if path is None:
+            return [], []
+        now = workdir_sync.scan(path)
+        changed, deleted = workdir_sync.diff(held, now)
+        self._copies[cwd] = (path, now)
+        return workdir_sync.pack(path, now, changed), deleted
+
+    def layer_entries(self) -> list[tuple[str, list]]:
+        """The job's ``--storage layer`` uppers as entries, for a kernel that cannot read them."""
+        self._polled = time.monotonic()
+        return [(name, workdir_sync.read_tree(upper)) for name, upper in self.layers()]
+
+    def _drop_copies(self) -> None:
+        for path, _ in self._copies.values():
+            jobdir.remove(os.path.dirname(path))
+        self._copies.clear()
 
     # -- rendezvous -----------------------------------------------------------------------
     def host_store(self, attempt: str, world: int) -> tuple[str, int]:
@@ -198,6 +267,7 @@ class NodeAgent:
 
     def shutdown(self) -> None:
         self.close()
+        self._drop_copies()
         self._stores.clear()
         self._launcher.shutdown()
 

@@ -5,6 +5,11 @@ per agent, ``ray.wait`` over them -- and routes ``stop``, ``fetch``, ``request_s
 ``layers`` to the agents of the processes' nodes.  An agent whose call fails (its process or
 its node died) becomes a :class:`~taas.launch.api.ProcessExit` of -9 for each of its processes
 that had not exited: they died with it.
+
+Nodes that do not share the notebook's working directory (``RayLauncher.copy_nodes``) get it
+copied before the attempt starts (:meth:`RayJob._ship`), and once its processes are stopped
+what the writers there changed comes back (:meth:`RayJob._bring_back`, before the layers are
+merged, so that rank 0's files count as written during the job), rank 0's node last.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class RayJob(JobHandle):
         self._exited: set[str] = set()
         self._pending: list[Event] = []
         self._store_node: str | None = None
+        self._workdirs: dict[str, str] = {}  # node id -> its copy of the working directory
+        self._snapshot: dict[str, tuple] = {}  # the working directory's manifest they started from
+        self._brought = False
+        self._layer_root: str | None = None  # copy nodes' layers, fetched for the merge
         self._stopped = False
         self.closed = False
 
@@ -70,6 +79,9 @@ class RayJob(JobHandle):
         world = sum(1 for p in spec.processes if p.rank is not None)
         for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):
             self._agents[node_id] = self._launcher._agent(nodes[node_id])
+        copies = self._launcher.copy_nodes(list(self._agents), spec.cwd)
+        if copies:
+            self._ship(sorted(copies), nodes)
         if world:
             self._store_node = plan.nodes[0].node_id
             master, port = self._get(self._agents[self._store_node].host_store.remote(self._attempt, world))
@@ -91,7 +103,8 @@ class RayJob(JobHandle):
         shared = [ray.put(_read_fd(fd)) for fd in spec.shared_fds]
         calls = {}
         for node_id, procs in per_node.items():
-            sub = LaunchSpec(spec.job_id, spec.cwd, tuple(procs), {}, (), spec.device, spec.restart,
+            cwd = self._workdirs.get(node_id, spec.cwd)  # the node's copy, where it has one
+            sub = LaunchSpec(spec.job_id, cwd, tuple(procs), {}, (), spec.device, spec.restart,
                              spec.max_restarts, spec.cleanups, placed=True)
             calls[node_id] = self._agents[node_id].start.remote(sub, files, *shared)
         errors = []
@@ -105,6 +118,59 @@ class RayJob(JobHandle):
                     self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
         if errors:
             raise LaunchError("could not start the job: " + "; ".join(errors))
+
+    def _ship(self, copies: list[str], nodes: dict[str, placement.Node]) -> None:
+        """Bring each node of ``copies``' copy of the working directory up to date."""
+        from taas.launch import workdir_sync
+
+        cwd = self._spec.cwd
+        manifest = workdir_sync.scan(cwd)
+        limit = self._launcher.workdir_limit
+        workdir_sync.check_size(manifest, workdir_sync.limit_from_env() if limit is None else limit, cwd)
+        needs = {n: self._agents[n].workdir_need.remote(cwd, manifest) for n in copies}
+        packs: dict[tuple, object] = {}  # what a node lacks -> its entries, put once
+        updates = {}
+        for node_id, ref in needs.items():
+            need = tuple(self._get(ref))
+            if need not in packs:
+                packs[need] = self._ray.put(workdir_sync.pack(cwd, manifest, list(need)))
+            updates[node_id] = self._agents[node_id].workdir_update.remote(cwd, manifest, packs[need])
+        errors = []
+        for node_id, ref in updates.items():
+            try:
+                self._workdirs[node_id] = self._get(ref)
+            except Exception as exc:  # broad: the agent's LaunchError or any Ray error, told as one line
+                errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+        if errors:
+            raise LaunchError("could not copy the working directory: " + "; ".join(errors))
+        self._snapshot = manifest
+
+    def _bring_back(self) -> None:
+        """Once the attempt's processes are gone: what they changed in the copies of the
+        working directory, from the nodes whose processes may write it (rank 0; every process
+        under ``--storage shared``), into the working directory; rank 0's node last (its
+        version wins).  Every copy's agent rescans its copy, writers or not."""
+        if self._brought or not self._workdirs:
+            return
+        self._brought = True
+        from taas.launch import workdir_sync
+
+        cwd = self._spec.cwd
+        writers = {self._node_of[p.key] for p in self._spec.processes
+                   if p.storage == "shared" and p.key in self._node_of}
+        refs = {n: self._agents[n].workdir_changes.remote(cwd) for n in self._workdirs if n in self._agents}
+        rank0 = self._node_of.get("rank0")
+        for node_id in sorted(refs, key=lambda n: n == rank0):
+            try:
+                entries, deleted = self._get(refs[node_id])
+            except Exception as exc:  # broad: a lost node's files are lost with it
+                log.warning("could not bring the working directory back from node %s: %s",
+                            node_id, _message(exc))
+                continue
+            if node_id in writers:
+                failed = workdir_sync.apply(cwd, entries, deleted, keep_if=self._snapshot)
+                if failed:
+                    log.warning("could not write back into %s: %s", cwd, ", ".join(failed[:4]))
 
     def _get(self, ref, timeout: float = _CALL_TIMEOUT):
         return self._ray.get(ref, timeout=timeout)
@@ -183,6 +249,7 @@ class RayJob(JobHandle):
             return
         self._each("stop", grace, timeout=grace + 15)
         self._stopped = True
+        self._bring_back()
 
     def drain(self, timeout: float = 2.0) -> list[Event]:
         out: list[Event] = []
@@ -215,7 +282,32 @@ class RayJob(JobHandle):
         return asked
 
     def layers(self) -> list[tuple[str, str]]:
-        return [layer for found in self._each("layers").values() for layer in found]
+        """The layers' uppers: as their agents report them where the node shares the working
+        directory, else fetched from the node into a directory of the kernel's (removed at
+        :meth:`close`)."""
+        self._bring_back()
+        out = [layer for node_id, found in self._each("layers").items() if node_id not in self._workdirs
+               for layer in found]
+        if self._workdirs:
+            import tempfile
+
+            from taas.launch import jobdir, workdir_sync
+
+            for node_id, found in self._each("layer_entries").items():
+                if node_id not in self._workdirs:
+                    continue
+                for name, entries in found:
+                    try:  # never raises: the supervisor closes the job right after the merge
+                        if self._layer_root is None:
+                            self._layer_root = tempfile.mkdtemp(prefix=f"taas-{self._attempt}-layers-")
+                        upper = os.path.join(self._layer_root, name)
+                        os.mkdir(upper)
+                    except OSError as exc:
+                        log.warning("%s", jobdir.no_room(f"fetch {name}'s layer", exc))
+                        continue
+                    workdir_sync.apply(upper, entries)
+                    out.append((name, upper))
+        return out
 
     def close(self) -> None:
         if self.closed:
@@ -223,11 +315,16 @@ class RayJob(JobHandle):
         self.closed = True
         try:
             self.stop()
+            self._bring_back()  # when stop() had nothing to stop
             self._each("close")
             if self._store_node is not None and self._store_node in self._agents:
                 self._each_one(self._store_node, "close_store", self._attempt)
         finally:
             self._polls.clear()
+            if self._layer_root is not None:
+                from taas.launch import jobdir
+
+                jobdir.remove(self._layer_root)
             self._launcher._job_ended()
 
     def _each_one(self, node_id: str, call: str, *args) -> None:

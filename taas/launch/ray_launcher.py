@@ -21,9 +21,14 @@ cells and die with it -- and their start processes, ranks and loader workers wit
 agent (or node) that dies becomes an exit (-9) of each of its processes; the supervisor stops
 the rest at the first failure, and a restart starts a fresh attempt wherever the plan says.
 
-Limits, for now: the nodes must share the notebook's working directory (true on one machine,
-on a simulated cluster, on project storage mounted everywhere): each process starts there, and
-``--storage layer`` uppers of ranks on other nodes are read from the paths their agent reports.
+The notebook's working directory: a node that sees it (project storage mounted everywhere, a
+simulated cluster) starts its processes there, and the kernel reads the ``--storage layer``
+uppers of its ranks from the paths its agent reports.  A node that does not gets a copy, kept
+per kernel on the node and updated before each job; after the job, what its processes allowed
+to write the directory changed comes back, and its layers travel to the kernel to be merged
+(:mod:`taas.launch.workdir_sync`).  ``workdir`` says which nodes are which: ``"auto"`` (the
+kernel writes a marker file in the directory and asks each agent whether it sees it, once per
+node and directory), ``"shared"`` or ``"copy"`` (every node).
 Registered loaders' units travel over TCP (:meth:`RayLauncher.data_transport`): loader workers
 on the CPU nodes, a relay on each GPU node of the job filling its ranks' shared memory.  The
 kernel's resident big tensors travel through
@@ -101,8 +106,11 @@ def kernel_gone() -> bool | None:
 class RayLauncher(Launcher):
     where = "the cluster"
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, workdir: str = "auto", workdir_limit: int | None = None):
         self.address = address
+        self.workdir = workdir  # auto | shared | copy (workdir_sync.MODES)
+        self.workdir_limit = workdir_limit  # bytes; None: $TAAS_WORKDIR_LIMIT, else 1 GiB
+        self._sees: dict[tuple[str, str], bool] = {}  # (node id, cwd) -> the node sees cwd
         self._connected = False
         self._ours = False  # we called ray.init: ray.shutdown() is ours to call too
         self._agents: dict[str, object] = {}  # node id -> actor handle
@@ -156,6 +164,7 @@ class RayLauncher(Launcher):
         stuck one does not linger with its start process; the next job starts a fresh one."""
         agent = self._agents.pop(node_id, None)
         self._info.pop(node_id, None)
+        self._sees = {key: seen for key, seen in self._sees.items() if key[0] != node_id}
         if agent is not None:
             try:
                 _ray().kill(agent)
@@ -175,6 +184,35 @@ class RayLauncher(Launcher):
                 raise LaunchError(f"taas could not start its agent on node {node.ip}: {_message(exc)}") from None
         return {n.node_id: self._info[n.node_id] for n in nodes}
 
+    def copy_nodes(self, node_ids, cwd: str) -> set[str]:
+        """Which of ``node_ids`` (their agents started) get a copy of ``cwd``."""
+        if self.workdir == "shared":
+            return set()
+        if self.workdir == "copy":
+            return set(node_ids)
+        unknown = [n for n in node_ids if (n, cwd) not in self._sees]
+        if unknown:
+            import secrets
+            import tempfile
+
+            content = secrets.token_bytes(16)
+            try:
+                fd, marker = tempfile.mkstemp(dir=cwd, prefix=".taas-where-")
+            except OSError:  # the kernel cannot write there: nothing would come back anyway
+                return set()
+            try:
+                try:
+                    os.write(fd, content)
+                finally:
+                    os.close(fd)
+                ray = self.connect()
+                refs = {n: self._agents[n].sees.remote(marker, content) for n in unknown}
+                for node_id, ref in refs.items():
+                    self._sees[(node_id, cwd)] = bool(ray.get(ref, timeout=_CALL_TIMEOUT))
+            finally:
+                os.unlink(marker)
+        return {n for n in node_ids if not self._sees[(n, cwd)]}
+
     def cuda_devices(self) -> int:
         gpu_nodes = [n for n in self.nodes() if int(n.gpus) >= 1]
         if not gpu_nodes:
@@ -193,7 +231,21 @@ class RayLauncher(Launcher):
                     if any(int(n.gpus) for n in nodes) else "no GPU: ranks run on CPU with gloo")]
         for n in nodes:
             lines.append(f"  node {n.ip:<15} {int(n.gpus)} GPU(s) {int(n.cpus):>3} CPU(s)  {n.node_id[:12]}")
+        lines.append("  working directory: " + self._workdir_rule())
         return lines
+
+    def _workdir_rule(self) -> str:
+        from taas.launch import workdir_sync
+
+        try:
+            limit = workdir_sync.human(self.workdir_limit if self.workdir_limit is not None
+                                       else workdir_sync.limit_from_env())
+        except LaunchError as exc:
+            limit = str(exc)
+        return {"shared": "shared by every node (--workdir shared)",
+                "copy": f"copied to every node, up to {limit} (--workdir copy)",
+                }.get(self.workdir, f"used where a node sees it, else copied there, up to {limit} "
+                                    "(--workdir auto)")
 
     def check(self, processes: int, device: str = "cpu", ranks: int | None = None) -> None:
         ranks = processes if ranks is None else ranks

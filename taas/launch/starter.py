@@ -544,13 +544,18 @@ def _guard(starter: int, kernel: int) -> None:
 
 def _remove_kernel_trash(kernel: int) -> None:
     """Job directories the kernel renamed away to remove in the background
-    (:func:`taas.launch.jobdir.discard`) and could not finish, because it died."""
+    (:func:`taas.launch.jobdir.discard`) and could not finish, because it died; and a cluster
+    node's copy of the working directory its agent kept."""
     import glob
     import tempfile
 
     from taas.launch.jobdir import remove
 
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"taas-trash-{kernel}-*")):
+        remove(path)
+    # A cluster node's copy of the notebook's working directory, when the "kernel" is a Ray
+    # agent (taas.launch.ray_agent) that died without shutting down.
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"taas-workdir-{kernel}-*")):
         remove(path)
 
 
