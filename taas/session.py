@@ -125,7 +125,8 @@ class Session:
     def use_cluster(self, address: str | None, workdir: str | None = None,
                     workdir_limit: int | None = None) -> list[str]:
         """``%taas cluster ADDRESS|local``: the session's default from now on; connects at once
-        (so a wrong address shows now) and returns the lines that describe it.  ``workdir``
+        (so a wrong address shows now; ``local`` ends a cluster connection) and returns the
+        lines that describe it.  ``workdir``
         (auto, shared, copy) and ``workdir_limit`` (bytes), when given, say how the notebook's
         working directory reaches the nodes from now on."""
         self.cluster = address or "local"
@@ -133,7 +134,13 @@ class Session:
             self.workdir = workdir
         if workdir_limit is not None:
             self.workdir_limit = workdir_limit
-        return self.launcher_for(self.cluster_address()).describe()
+        target = self.cluster_address()
+        if target is None and self._cluster_launcher is not None:
+            # Back to this machine: end the cluster connection, so its agents, the GPUs they
+            # keep reserved for a warm next cell, and the working directory's copies go now.
+            self._cluster_launcher.shutdown()
+            self._cluster_launcher = None
+        return self.launcher_for(target).describe()
 
     # ------------------------------------------------------------------------------------
     def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, **kwargs) -> CellResult:
