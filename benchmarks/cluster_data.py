@@ -178,7 +178,14 @@ def ray_inside(batches: int, rounds: int) -> None:
 def run_ray(batches: int, rounds: int) -> list[float]:
     if os.geteuid() != 0:
         raise SystemExit("the Ray comparison needs root (a private network namespace); use --no-ray")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path[1:]))
+    import tempfile
+
+    from tests.cluster import write_auth_token
+
+    token_dir = tempfile.mkdtemp(prefix="taas-bench-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # Ray's token authentication with a private token (never the user's ~/.ray/auth_token).
+    env.update(write_auth_token(token_dir), PYTHONPATH=os.pathsep.join([ROOT] + sys.path[1:]))
     cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child",
            sys.executable, os.path.abspath(__file__), "--ray-inside", "--batches", str(batches),
            "--rounds", str(rounds)]
@@ -189,6 +196,8 @@ def run_ray(batches: int, rounds: int) -> list[float]:
         if proc.poll() is None:
             _kill_namespace(proc.pid)
             proc.wait()
+        import shutil
+        shutil.rmtree(token_dir, ignore_errors=True)
     for line in out.splitlines():
         if line.startswith('{"ray"'):
             return json.loads(line)["ray"]
