@@ -102,14 +102,30 @@ class RayJob(JobHandle):
                              spec.max_restarts, spec.cleanups, placed=True)
             calls[node_id] = self._agents[node_id].start.remote(sub, files, *shared)
         errors = []
-        for node_id, ref in calls.items():
-            try:
-                self._pids.update(ray.get(ref, timeout=_CALL_TIMEOUT))
-                self._poll(node_id)
-            except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
-                errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
-                if not isinstance(getattr(exc, "cause", None), LaunchError):
-                    self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
+        starting = {ref: node_id for node_id, ref in calls.items()}
+        deadline = time.monotonic() + _CALL_TIMEOUT
+        while starting:
+            # A node that started is polled at once and again while others still start (a
+            # fresh agent's start process may still be importing torch): an agent whose
+            # events() calls stop for NodeAgent's ORPHANED s takes the kernel for dead.
+            wait = min(_LONG_POLL / 2, max(0.0, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(starting), num_returns=1, timeout=wait)
+            for ref in ready:
+                node_id = starting.pop(ref)
+                try:
+                    self._pids.update(ray.get(ref))
+                    self._poll(node_id)
+                except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
+                    errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+                    if not isinstance(getattr(exc, "cause", None), LaunchError):
+                        self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
+            if self._polls:
+                self._wait(0)  # events that came meanwhile are kept in order for events()
+            if starting and time.monotonic() >= deadline:
+                for node_id in starting.values():
+                    errors.append(f"node {nodes[node_id].ip}: its agent did not answer in {_CALL_TIMEOUT:.0f} s")
+                    self._launcher._forget(node_id)
+                break
         if errors:
             raise LaunchError("could not start the job: " + "; ".join(errors))
 
