@@ -123,6 +123,9 @@ class NodeAgent:
                     self._job.close()
                     self._job = None
                 self._job = self._launcher.start(spec)
+                # The kernel polls once this call returns: a start that took longer than
+                # ORPHANED s (a fresh start process still importing torch) is no silence.
+                self._polled = time.monotonic()
                 return self._job.pids
         finally:
             for fd in fds:
