@@ -9,34 +9,19 @@ import time
 
 import pytest
 
-from tests.kernel_driver import cell, plain, wait_until_gone
+from tests.cluster_helpers import (LOADER_SETUP, agents, connected_kernel, job_processes,
+                                   placement_groups_left, relays)
+from tests.kernel_driver import cell, cmdline, plain, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("notebook")
-    k = ray_cluster.kernel(str(workdir))
-    run = k.run(f"%taas cluster {ray_cluster.address}")
-    assert run.error is None, run.traceback
-    k.workdir = workdir
+    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"))
     yield k
     k.run("%taas cluster local")  # ends the connection: agents and placement groups go
     k.shutdown()
-
-
-def job_processes(ray_cluster):
-    """taas's rank and loader processes anywhere in the cluster (by the names the start
-    process gives them)."""
-    out = []
-    for p in ray_cluster.processes():
-        try:
-            if p.name().startswith(("taas-rank", "taas-loader")):
-                out.append(p)
-        except Exception:  # gone meanwhile
-            pass
-    return out
 
 
 def test_percent_taas_shows_the_cluster(kernel, ray_cluster):
@@ -115,7 +100,7 @@ def test_rank_zeros_file_is_in_the_working_directory(kernel):
 
 
 def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
-    others = set(_agents(ray_cluster))  # another kernel's agents (the module's) stay
+    others = set(agents(ray_cluster))  # another kernel's agents (the module's) stay
     k = ray_cluster.kernel(str(tmp_path))
     try:
         assert k.run(f"%taas cluster {ray_cluster.address}").error is None
@@ -126,63 +111,20 @@ def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
             time.sleep(0.1)
         kernel_pid = k.descendants()[0].pid  # nsenter's child: the kernel itself
         ranks = [p.pid for p in job_processes(ray_cluster)]
-        agents = [pid for pid in _agents(ray_cluster) if pid not in others]
-        assert agents, "this kernel's agents were not found"
+        mine = [pid for pid in agents(ray_cluster) if pid not in others]
+        assert mine, "this kernel's agents were not found"
         import os
         import signal
 
         os.kill(kernel_pid, signal.SIGKILL)
         # The job's processes end within 10 s (each agent notices that the kernel stopped
         # polling it); the agents are actors of the kernel's Ray connection, which Ray ends.
-        assert wait_until_gone(ranks, timeout=10) == [], [_cmdline(p) for p in job_processes(ray_cluster)]
-        assert wait_until_gone(agents, timeout=120) == []
-        check = ray_cluster.run([_python(), "-c", (
-            "import ray, time; ray.init(address='%s', log_to_driver=False)\n"
-            "from ray.util import placement_group_table as t\n"
-            "left = lambda: sum(1 for g in t().values() if g['state'] != 'REMOVED')\n"
-            "deadline = time.monotonic() + 30\n"
-            "while left() and time.monotonic() < deadline:\n"
-            "    time.sleep(0.2)\n"
-            "print(left())") % ray_cluster.address],
-            capture_output=True, text=True, timeout=300)
-        assert check.stdout.strip().splitlines()[-1] == "0", check.stdout + check.stderr
+        assert wait_until_gone(ranks, timeout=10) == [], [cmdline(p) for p in job_processes(ray_cluster)]
+        assert wait_until_gone(mine, timeout=120) == []
+        assert placement_groups_left(ray_cluster) == "0"
     finally:
         k.shutdown()
 
-
-def _agents(ray_cluster) -> list[int]:
-    return [p.pid for p in ray_cluster.processes() if "NodeAgent" in " ".join(_cmdline(p))]
-
-
-def _cmdline(p) -> list[str]:
-    try:
-        return p.cmdline()
-    except Exception:  # gone meanwhile
-        return []
-
-
-def _python() -> str:
-    import sys
-
-    return sys.executable
-
-
-LOADER_SETUP = """
-import os, torch, taas, ray
-from torch.utils.data import Dataset, DataLoader
-
-class Where(Dataset):
-    \"\"\"Each sample says which node loaded it (TAAS_NODE_ID of the loader worker).\"\"\"
-    def __len__(self):
-        return 400
-    def __getitem__(self, i):
-        return {"i": torch.tensor(i), "x": torch.full((8,), float(i)), "node": os.environ.get("TAAS_NODE_ID", "kernel")}
-
-fed = DataLoader(Where(), batch_size=1)
-taas.register(fed)
-cpu_nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("cpu_node"))
-print("CPU", ",".join(cpu_nodes))
-"""
 
 LOADER_CELL = """
 %%taas --gpus 4 --cpus 2 --units 400
@@ -231,14 +173,3 @@ def test_a_registered_loader_feeds_ranks_on_both_gpu_nodes_from_the_cpu_node(ker
     assert wait_until_gone([p.pid for p in job_processes(ray_cluster)] + [p.pid for p in relays(ray_cluster)],
                            timeout=30) == []
     assert kernel.run(shm).stdout.strip() == before  # no segment of the job left
-
-
-def relays(ray_cluster):
-    out = []
-    for p in ray_cluster.processes():
-        try:
-            if p.name().startswith("taas-data-rela"):
-                out.append(p)
-        except Exception:  # gone meanwhile
-            pass
-    return out

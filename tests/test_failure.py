@@ -64,3 +64,16 @@ def test_left_early_names_the_rank_in_a_timeout():
     ends = [end("rank1", 0, 1.0), end("rank0", -15, 9.0, stopped=True)]
     assert failure.left_early(ends).key == "rank1"
     assert failure.left_early([end("rank0", -15, 9.0, stopped=True)]) is None
+
+
+def test_ranks_lost_with_their_node_are_named_with_it():
+    # The Ray launcher's report for processes whose node's agent died (taas.launch.ray_job).
+    node = {"time": 0, "exit_code": -9, "chain": [], "hint": None,
+            "message": "was lost with node 127.0.1.2: taas's agent there died"}
+    ends = [end("rank0", -15, 1.2, stopped=True), end("rank2", -9, 1.0, node),
+            end("rank3", -9, 1.0, node, stopped=True)]
+    root = failure.root_cause(ends)
+    lines = failure.render(root, [e for e in ends if e is not root], color=False)
+    assert lines == ["rank2 was lost with node 127.0.1.2: taas's agent there died",
+                     "rank0: stopped after rank2 failed",
+                     "rank3: was lost with node 127.0.1.2: taas's agent there died"]

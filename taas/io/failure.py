@@ -154,6 +154,9 @@ def render(root: ProcessEnd, others: list[ProcessEnd], name_for: Callable[[str],
         if (end.failed and end.returncode is not None and end.returncode > 0 and end.record
                 and end.record["time"] <= root.failed_at and not is_consequence(end)):
             lines.append(f"{end.key}: also failed: {summary(end)}")
+        elif (end.returncode is not None and end.returncode < 0 and end.record and end.record.get("message")
+              and end.record["time"] <= root.failed_at):  # killed with the root cause (a lost node)
+            lines.append(f"{end.key}: {summary(end).removeprefix(end.key + ' ')}")
         elif end.left and end.failed_at <= root.failed_at:
             lines.append(f"{end.key}: had already ended (code 0)")
         else:

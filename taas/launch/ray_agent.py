@@ -208,6 +208,9 @@ class NodeAgent:
                     self._job.close()
                     self._job = None
                 self._job = self._launcher.start(spec)
+                # The kernel polls once this call returns: a long start (a fresh start
+                # process still importing torch) is no silence of the kernel's.
+                self._polled = time.monotonic()
                 return self._job.pids
         finally:
             for fd in fds:

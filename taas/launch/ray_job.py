@@ -4,7 +4,9 @@
 per agent, ``ray.wait`` over them -- and routes ``stop``, ``fetch``, ``request_stacks`` and
 ``layers`` to the agents of the processes' nodes.  An agent whose call fails (its process or
 its node died) becomes a :class:`~taas.launch.api.ProcessExit` of -9 for each of its processes
-that had not exited: they died with it.
+that had not exited: they died with it.  Their failure reports (``fetch``) then say so, naming
+the node: the node holds no report of its own any more, and "killed by SIGKILL" alone would not
+tell the user that a whole machine's share of the job went.
 
 Nodes that do not share the notebook's working directory (``RayLauncher.copy_nodes``) get it
 copied before the attempt starts (:meth:`RayJob._ship`), and once its processes are stopped
@@ -15,6 +17,7 @@ merged, so that rank 0's files count as written during the job), rank 0's node l
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from taas.errors import LaunchError
 from taas.launch import placement
-from taas.launch.api import Event, JobHandle, LaunchSpec, ProcessExit
+from taas.launch.api import Event, JobHandle, LaunchSpec, ProcessExit, error_name
 
 if TYPE_CHECKING:
     from taas.launch.ray_launcher import RayLauncher
@@ -51,6 +54,8 @@ class RayJob(JobHandle):
         self._attempt = attempt
         self._keys = [p.key for p in spec.processes]
         self._node_of: dict[str, str] = {}
+        self._ip_of: dict[str, str] = {}  # node id -> its address, for messages
+        self._lost: dict[str, float] = {}  # node id -> when its agent was found dead
         self._agents: dict[str, object] = {}  # node id -> agent, for this attempt's nodes
         self._pids: dict[str, int] = {}
         self._polls: dict[object, str] = {}  # outstanding events() call -> node id
@@ -79,6 +84,7 @@ class RayJob(JobHandle):
         world = sum(1 for p in spec.processes if p.rank is not None)
         for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):
             self._agents[node_id] = self._launcher._agent(nodes[node_id])
+            self._ip_of[node_id] = nodes[node_id].ip
         copies = self._launcher.copy_nodes(list(self._agents), spec.cwd)
         if copies:
             self._ship(sorted(copies), nodes)
@@ -95,6 +101,7 @@ class RayJob(JobHandle):
                 proc = dataclasses.replace(proc, env=env)
             elif proc.key.startswith(RELAY):  # the data transport's relay for GPU node <g>
                 node_id = plan.nodes[int(proc.key[len(RELAY):])].node_id
+                self._ip_of.setdefault(node_id, nodes[node_id].ip)
             else:
                 node_id = next(workers)
             per_node[node_id].append(proc)
@@ -108,14 +115,31 @@ class RayJob(JobHandle):
                              spec.max_restarts, spec.cleanups, placed=True)
             calls[node_id] = self._agents[node_id].start.remote(sub, files, *shared)
         errors = []
-        for node_id, ref in calls.items():
-            try:
-                self._pids.update(ray.get(ref, timeout=_CALL_TIMEOUT))
-                self._poll(node_id)
-            except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
-                errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
-                if not isinstance(getattr(exc, "cause", None), LaunchError):
-                    self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
+        starting = {ref: node_id for node_id, ref in calls.items()}
+        deadline = time.monotonic() + _CALL_TIMEOUT
+        while starting:
+            # A node that started is polled at once and again while others still start (a
+            # fresh agent's start process may still be importing torch): its output streams
+            # from the start, and an agent that cannot ask the cluster whether the kernel
+            # lives (NodeAgent._watch_kernel) does not wait long for a sign of it.
+            wait = min(_LONG_POLL / 2, max(0.0, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(starting), num_returns=1, timeout=wait)
+            for ref in ready:
+                node_id = starting.pop(ref)
+                try:
+                    self._pids.update(ray.get(ref))
+                    self._poll(node_id)
+                except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
+                    errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+                    if not isinstance(getattr(exc, "cause", None), LaunchError):
+                        self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
+            if self._polls:
+                self._wait(0)  # events that came meanwhile are kept in order for events()
+            if starting and time.monotonic() >= deadline:
+                for node_id in starting.values():
+                    errors.append(f"node {nodes[node_id].ip}: its agent did not answer in {_CALL_TIMEOUT:.0f} s")
+                    self._launcher._forget(node_id)
+                break
         if errors:
             raise LaunchError("could not start the job: " + "; ".join(errors))
 
@@ -227,6 +251,7 @@ class RayJob(JobHandle):
         """An agent (or its node) died: so did its processes (their start process's guard has
         the agent as its parent)."""
         self._finished.add(node_id)
+        self._lost.setdefault(node_id, time.time())
         self._launcher._forget(node_id)
         for key, where in self._node_of.items():
             if where == node_id and key not in self._exited:
@@ -259,13 +284,25 @@ class RayJob(JobHandle):
         return out + self.events(0)
 
     def fetch(self, key: str, name: str) -> bytes | None:
-        agent = self._agents.get(self._node_of.get(key, ""))
+        node_id = self._node_of.get(key, "")
+        if node_id in self._lost:
+            return self._lost_report(key, node_id) if name == error_name(key) else None
+        agent = self._agents.get(node_id)
         if agent is None:
             return None
         try:
             return self._get(agent.fetch.remote(key, name))
         except Exception:  # broad: the node is gone, and what it held with it
             return None
+
+    def _lost_report(self, key: str, node_id: str) -> bytes:
+        """The failure report of a process that went with its node's agent (as
+        :mod:`taas.worker.report` writes one): the time the agent was found dead."""
+        ip = self._ip_of.get(node_id, node_id[:12])
+        return json.dumps({
+            "key": key, "time": self._lost[node_id], "exit_code": -9, "chain": [], "hint": None,
+            "message": f"was lost with node {ip}: taas's agent there died (its process or the node was killed)",
+        }).encode()
 
     def request_stacks(self, keys) -> list[str]:
         by_node: dict[str, list[str]] = defaultdict(list)
