@@ -173,3 +173,39 @@ def test_a_registered_loader_feeds_ranks_on_both_gpu_nodes_from_the_cpu_node(ker
     assert wait_until_gone([p.pid for p in job_processes(ray_cluster)] + [p.pid for p in relays(ray_cluster)],
                            timeout=30) == []
     assert kernel.run(shm).stdout.strip() == before  # no segment of the job left
+
+
+def test_percent_taas_cluster_local_ends_the_connection(kernel, ray_cluster):
+    """Back to this machine: this kernel's agents go (with the GPUs they kept reserved for a
+    warm next cell), no placement group is left, and connecting again works."""
+    run = kernel.run(cell("""
+        %%taas --gpus 4
+        print("warm", flush=True)
+        """))
+    assert run.error is None, run.traceback
+    ours = _agents_of(kernel, ray_cluster)
+    assert len(ours) >= 2, ours  # one per GPU node at least
+    local = kernel.run("%taas cluster local")
+    assert local.error is None, local.traceback
+    assert wait_until_gone(ours, timeout=120) == []
+    assert placement_groups_left(ray_cluster) == "0"
+    again = kernel.run(f"%taas cluster {ray_cluster.address}")  # as the module's fixture left it
+    assert again.error is None, again.traceback
+
+
+def _agents_of(kernel, ray_cluster) -> list[int]:
+    """The (outer) pids of this kernel's agents: they report their pids inside the namespace
+    (``describe()``), which /proc/PID/status's NSpid line maps."""
+    run = kernel.run("import taas\n"
+                     "print(sorted(i['pid'] for i in taas._loaded['session']._cluster_launcher._info.values()))")
+    inner = set(eval(run.stdout.strip()))
+    found = []
+    for pid in agents(ray_cluster):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                nspid = next(line.split()[-1] for line in f if line.startswith("NSpid:"))
+        except (OSError, StopIteration):  # gone meanwhile
+            continue
+        if int(nspid) in inner:
+            found.append(pid)
+    return found
