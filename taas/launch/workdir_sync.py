@@ -10,7 +10,7 @@ changed there comes back into the notebook's working directory.  This module is 
 (:mod:`taas.launch.ray_launcher`, :mod:`taas.launch.ray_job`) and each node's agent
 (:mod:`taas.launch.ray_agent`) only call it.
 
-The rules (docs/user-guide.md, "On a Ray cluster"):
+The rules (docs/user-guide.md, "Clusters"):
 
 * Copied: regular files, symbolic links (as links) and directories under the working
   directory, except directories named in :data:`SKIPPED_DIRS` anywhere in the tree (version
