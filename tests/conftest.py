@@ -1,13 +1,12 @@
 """Fixtures shared by the real-kernel tests and the simulated-cluster tests."""
 
-import time
-
+import psutil
 import pytest
 
 from tests.cluster import SimulatedCluster, missing_requirements
 
 from tests.kernel_driver import (Kernel, cmdline, listening_ports, process_name, shm_entries,
-                                 unmapped_shm, wait_until_gone)
+                                 unmapped_shm, wait_for, wait_until_gone)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,6 @@ def clean(kernel):
     pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
     ports_before = listening_ports(pids)
     yield
-    time.sleep(0.2)
     extra = [p for p in kernel.descendants() if "taas.launch.starter" not in " ".join(cmdline(p))]
     assert wait_until_gone([p.pid for p in extra]) == [], [cmdline(p) for p in extra]
     guards = [p for p in kernel.descendants() if p not in extra and p.ppid() == kernel.pid]
@@ -46,8 +44,14 @@ def clean(kernel):
         starters = guard.children()
         assert [process_name(s) for s in starters] in ([], ["taas-start"])
         for starter in starters:
-            kept = [c for c in starter.children() if process_name(c) != "taas-ready"]
-            assert wait_until_gone([c.pid for c in kept]) == [], [process_name(c) for c in kept]
+            # Each child ends, or is (or, just forked ahead, becomes) an idle taas-ready one.
+            def settled():
+                try:
+                    return all(c.status() == psutil.STATUS_ZOMBIE or process_name(c) == "taas-ready"
+                               for c in starter.children())
+                except psutil.Error:  # one ended while we looked: look again
+                    return False
+            wait_for(settled, timeout=60, what="the start process's children ending or idling")
     # Only this kernel's jobs count: another program on the machine (a second test run) may
     # create and remove taas segments of its own meanwhile.
     ours = _job_ids(kernel)
