@@ -156,22 +156,33 @@ def test_a_dead_agents_copy_is_removed_by_its_guard(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["taas-workdir-4243-abc"]
 
 
-def test_the_watcher_removes_a_dead_agents_copies(tmp_path, monkeypatch):
-    """Ray kills an ended agent's children: a detached watcher removes its copies."""
+def test_the_watcher_runs_a_dead_agents_hooks_and_removes_its_copies(tmp_path, monkeypatch):
+    """Ray kills an ended agent's children: a detached watcher (taas.launch.node_watch) runs
+    the clean-up hooks of the agent's job and removes its copies, once the agent is gone."""
     import subprocess
     import sys
-    import time
+
+    from taas.launch import node_watch
+    from tests.kernel_driver import wait_for
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    hook_made = tmp_path / "hook-ran"
+    record = f"""
+import sys
+from taas.launch import node_watch
+node_watch.record([("tests.launch_targets:touch", ({str(hook_made)!r},))])
+print("recorded", flush=True)
+sys.stdin.read()
+"""
+    agent = subprocess.Popen([sys.executable, "-c", record], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert agent.stdout.readline().strip() == "recorded"
     write(tmp_path / f"taas-workdir-{agent.pid}-abc" / "notebook" / "data.txt")
     write(tmp_path / "taas-workdir-1-abc" / "notebook" / "data.txt")  # another agent's
-    ws.watch(agent.pid)
-    time.sleep(0.5)
-    assert (tmp_path / f"taas-workdir-{agent.pid}-abc").exists()  # alive: kept
+    node_watch.start(agent.pid)
+    assert (tmp_path / f"taas-workdir-{agent.pid}-abc").exists() and not hook_made.exists()  # alive
     agent.stdin.close()
     agent.wait()
-    deadline = time.monotonic() + 30
-    while (tmp_path / f"taas-workdir-{agent.pid}-abc").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sorted(os.listdir(tmp_path)) == ["taas-workdir-1-abc"]
+    wait_for(lambda: hook_made.exists() and not (tmp_path / f"taas-workdir-{agent.pid}-abc").exists(),
+             timeout=60, what="the watcher's clean-up")
+    assert sorted(os.listdir(tmp_path)) == ["hook-ran", "taas-workdir-1-abc"]

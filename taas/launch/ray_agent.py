@@ -20,7 +20,8 @@ A node that does not share the kernel's filesystem keeps a copy of the notebook'
 directory (:mod:`taas.launch.workdir_sync`): ``<tmp>/taas-workdir-<agent pid>-XXXX/<name>``,
 updated before each job (:meth:`workdir_need`, :meth:`workdir_update`), read back after it
 (:meth:`workdir_changes`, :meth:`layer_entries`), removed at :meth:`shutdown` -- and by a
-detached watcher when the agent dies without one (:func:`taas.launch.workdir_sync.watch`).
+detached watcher when the agent dies without one (:mod:`taas.launch.node_watch`, which also runs
+the clean-up hooks of the job the agent ran: Ray kills an ended actor's children with it).
 
 Nothing here imports Ray: the class is tested as it is, on one machine.
 """
@@ -35,7 +36,7 @@ import threading
 import time
 from typing import Callable
 
-from taas.launch import jobdir, rendezvous, workdir_sync
+from taas.launch import jobdir, node_watch, rendezvous, workdir_sync
 from taas.launch.api import LaunchSpec
 from taas.launch.local import LocalJob, LocalLauncher
 
@@ -85,6 +86,7 @@ class NodeAgent:
         self._kernel_gone = kernel_gone or (lambda: None)
         threading.Thread(target=_import_torch, name="taas-agent-torch", daemon=True).start()
         threading.Thread(target=self._watch_kernel, name="taas-agent-watchdog", daemon=True).start()
+        node_watch.start(os.getpid())  # cleans up after us if Ray ends us (taas.launch.node_watch)
 
     def _watch_kernel(self) -> None:
         """While a job runs here, end it as soon as the kernel is gone (killed, or its node
@@ -143,8 +145,6 @@ class NodeAgent:
                 top = tempfile.mkdtemp(prefix=f"{workdir_sync.COPY_PREFIX}{os.getpid()}-")
             except OSError as exc:
                 raise jobdir.no_room("copy the working directory", exc) from None
-            if not self._copies:
-                workdir_sync.watch(os.getpid())  # removes the copies if we die without shutdown()
             path = os.path.join(top, os.path.basename(cwd.rstrip(os.sep)) or "workdir")
             os.mkdir(path)
         failed = workdir_sync.apply(path, entries, workdir_sync.diff(held, manifest)[1])
@@ -208,6 +208,8 @@ class NodeAgent:
                     self._job.close()
                     self._job = None
                 self._job = self._launcher.start(spec)
+                # If Ray ends us before the job's own clean-up ran, our watcher runs it.
+                node_watch.record(spec.cleanups)
                 # The kernel polls once this call returns: a long start (a fresh start
                 # process still importing torch) is no silence of the kernel's.
                 self._polled = time.monotonic()
@@ -273,6 +275,7 @@ class NodeAgent:
         self._drop_copies()
         self._stores.clear()
         self._launcher.shutdown()
+        node_watch.clear()  # the job's own clean-up ran: nothing left for the watcher
 
 
 def _write_all(fd: int, data: bytes) -> None:
