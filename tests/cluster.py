@@ -5,6 +5,7 @@ API (small on purpose; the Ray launcher's tests build on it)::
     cluster = SimulatedCluster().start()   # blocks until every node is alive in the GCS
                                            # (one retry in a fresh namespace if a start fails)
     cluster.address                        # "127.0.0.1:6379" (reachable only inside)
+    cluster.client_address                 # "ray://127.0.0.1:10001": the head's Ray Client server
     cluster.gpu_node_ips, cluster.cpu_node_ips   # ("127.0.1.1", "127.0.1.2"), ("127.0.2.1",)
     cluster.run(argv, cwd=..., auth=True, **subprocess_run_kwargs)  # a command inside; CompletedProcess
     cluster.popen(argv, cwd=..., **popen_kwargs)         # the same, not waited for
@@ -16,10 +17,12 @@ API (small on purpose; the Ray launcher's tests build on it)::
 
 The layout: a head (127.0.0.1, port 6379, no CPUs: it only coordinates, like a real head),
 ``gpu_nodes`` "GPU" nodes at 127.0.1.x (``--num-gpus 2``, resource ``gpu_node: 1``, 2 CPUs) and
-``cpu_nodes`` CPU nodes at 127.0.2.x (2 CPUs, resource ``cpu_node: 1``).  No node has a real GPU:
-``num_gpus`` is a scheduling label (Ray sets CUDA_VISIBLE_DEVICES in tasks that ask for GPUs).
-Each node has its own temp dir (nodes sharing one print each log line once per node, tagged
-with the wrong IP) and a 300 MB object store (each would otherwise claim the machine's memory).
+``cpu_nodes`` CPU nodes at 127.0.2.x (2 CPUs, resource ``cpu_node: 1``).  The head also runs
+the Ray Client server (``client_address``), for kernels that connect with ``ray://``.  No node
+has a real GPU: ``num_gpus`` is a scheduling label (Ray sets CUDA_VISIBLE_DEVICES in tasks that
+ask for GPUs).  Each node has its own temp dir (nodes sharing one print each log line once per
+node, tagged with the wrong IP) and a 300 MB object store (each would otherwise claim the
+machine's memory).
 
 Why a private network and PID namespace (``unshare --net --pid --fork --mount-proc``): on the
 host Ray binds its non-loopback address whatever it is told; inside a namespace that has only
@@ -60,6 +63,9 @@ import psutil
 
 HEAD_IP = "127.0.0.1"
 PORT = 6379
+# The head's Ray Client server (``ray://``; it needs ray[client]'s grpcio): `ray start --head`'s
+# default port with ray[client] installed, named so that the harness does not rely on it.
+CLIENT_PORT = 10001
 
 # Upper bound for the whole start (head, then nodes in parallel, then all alive): measured
 # 10-45 s on 2 busy cores; only a broken cluster reaches this.
@@ -81,6 +87,10 @@ def missing_requirements() -> str | None:
         import ray  # noqa: F401  (only whether it imports)
     except ImportError as e:
         return f"needs ray importable: {e}"
+    try:
+        import grpc  # noqa: F401  (the head's Ray Client server needs it)
+    except ImportError:
+        return "needs ray[client] (pip install 'ray[client]'): the head runs a Ray Client server"
     return None
 
 
@@ -119,6 +129,7 @@ class SimulatedCluster:
     def __init__(self, gpu_nodes: int = 2, cpu_nodes: int = 1, gpus_per_node: int = 2,
                  cpus_per_node: int = 2, object_store_bytes: int = 300_000_000):
         self.address = f"{HEAD_IP}:{PORT}"
+        self.client_address = f"ray://{HEAD_IP}:{CLIENT_PORT}"
         self.gpu_node_ips = tuple(f"127.0.1.{i + 1}" for i in range(gpu_nodes))
         self.cpu_node_ips = tuple(f"127.0.2.{i + 1}" for i in range(cpu_nodes))
         self.gpus_per_node = gpus_per_node
@@ -276,7 +287,7 @@ class SimulatedCluster:
                 "--resources", '{"cpu_node": 1}', *common]})
         head = ["--head", "--node-ip-address", HEAD_IP, "--port", str(PORT), "--temp-dir",
                 os.path.join(self.base, "h"), "--num-cpus", "0", "--num-gpus", "0",
-                "--include-dashboard=false", *common]
+                "--include-dashboard=false", "--ray-client-server-port", str(CLIENT_PORT), *common]
         return {"ray": _ray_executable(), "python": sys.executable, "base": self.base,
                 "address": self.address, "head": head, "nodes": nodes}
 

@@ -1,6 +1,7 @@
 """taas on a cluster with Ray's token authentication (the simulated cluster runs with
 ``RAY_AUTH_MODE=token``, see tests/cluster.py): a client with the token connects and taas
-writes no token file of its own; a client without it gets one line that says what to do."""
+writes no token file of its own; a client without it gets one line that says what to do (through
+Ray Client too, where Ray cannot tell a refused token from an unreachable server)."""
 
 import json
 import os
@@ -27,12 +28,12 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def connect(cluster, tmp_path, auth: bool) -> dict:
+def connect(cluster, tmp_path, auth: bool, address: str | None = None) -> dict:
     home = tmp_path / "home"
     home.mkdir()
     env = dict(os.environ, HOME=str(home),
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    run = cluster.run([sys.executable, "-c", cell(CONNECT.format(address=cluster.address))],
+    run = cluster.run([sys.executable, "-c", cell(CONNECT.format(address=address or cluster.address))],
                       cwd=tmp_path, auth=auth, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, run.stdout + run.stderr[-3000:]
@@ -61,3 +62,15 @@ def test_a_client_without_the_token_gets_one_line_saying_what_to_do(ray_cluster,
     assert "\n" not in message, message
     assert "token" in message and "RAY_AUTH_MODE=token" in message, message
     assert not [p for p in out["home"] if "auth_token" in p], out["home"]
+
+
+def test_a_ray_client_kernel_without_the_token_gets_one_line_saying_what_to_do(ray_cluster, tmp_path):
+    """Ray Client retries the refused token until its connect timeout (about 30 s), then says
+    only "ray client connection timeout": taas's line names both causes and the GCS address."""
+    out = connect(ray_cluster, tmp_path, auth=False, address=ray_cluster.client_address)
+    assert "error" in out, out
+    message = out["error"]
+    assert "\n" not in message, message
+    assert message.startswith(f"cannot connect to the Ray cluster at '{ray_cluster.client_address}': "
+                              "its Ray Client server did not answer"), message
+    assert "RAY_AUTH_MODE=token" in message and "HOST:6379" in message, message

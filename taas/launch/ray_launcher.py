@@ -11,7 +11,9 @@
              ranks, loader workers  ──output──> agent ──events() long poll──> RayJob.events
 
 taas never starts a Ray cluster: ``address`` is what ``ray.init(address=...)`` takes of a
-running one (``"auto"``, ``"10.0.0.1:6379"``, ``"ray://..."``).  If the kernel is already
+running one (``"auto"``, ``"10.0.0.1:6379"``, ``"ray://HOST:10001"``).  Through Ray Client
+(``ray://``) the kernel is no Ray driver: the head's client server runs one for it (a proxy),
+which owns the agents; the data hub then listens on the kernel's address towards that server.  If the kernel is already
 connected (the user called ``ray.init``), that connection is used as it is.  Ray's own log
 forwarding is off for a connection taas makes: output travels through the agents, whole and in
 order, to the kernel's output router.
@@ -79,13 +81,24 @@ def _connect_error(address: str, exc: BaseException) -> str:
         return (f"the Ray cluster at {address!r} refused this kernel's authentication token: it uses "
                 "token authentication; start the kernel with RAY_AUTH_MODE=token and the cluster's "
                 "token in RAY_AUTH_TOKEN_PATH (a file only you can read) or ~/.ray/auth_token")
+    if address.startswith("ray://") and any("ray client connection timeout" in str(e) for e in chain):
+        # Ray Client retries a refused token (gRPC UNAUTHENTICATED) as it retries an unreachable
+        # server, and ends both with this timeout: say both.
+        return (f"cannot connect to the Ray cluster at {address!r}: its Ray Client server did not "
+                "answer (is the head's client port, 10001 by default, reachable from here? on a "
+                "cluster with token authentication, start the kernel with RAY_AUTH_MODE=token and "
+                "the cluster's token); from a machine in the cluster's network, the GCS address "
+                "HOST:6379 connects directly")
     return f"cannot connect to the Ray cluster at {address!r}: {_message(exc)}"
 
 
 def kernel_gone() -> bool | None:
     """In an agent: whether the kernel that owns it (its Ray job's driver) has ended, as the
     GCS records it: at once when the driver's connection to its raylet closes (a killed
-    kernel), or when its node is declared dead.  None when the GCS cannot be asked (a Ray
+    kernel), or when its node is declared dead.  Through Ray Client the driver is the client
+    server's proxy for the kernel, which outlives a killed kernel by the client's reconnect
+    grace period (``RAY_CLIENT_RECONNECT_GRACE_PERIOD`` in the kernel, 30 s by default): a
+    kernel that might reconnect is not gone, so its job runs on that long.  None when the GCS cannot be asked (a Ray
     without this internal call, or no answer in 10 s): the agent then falls back to the
     kernel's silence."""
     try:
@@ -264,10 +277,29 @@ class RayLauncher(Launcher):
         ray = self.connect()
         plan = placement.plan(self.nodes(), max(world, 1))
         self._planned[world] = plan.rank_nodes
-        host = ray.util.get_node_ip_address()
+        host = self._kernel_ip(ray)
         return functools.partial(TcpTransport, host=host,
                                  ranks_per_node=tuple(place.group_rank for place in plan.places),
                                  node_ids=tuple(node.node_id for node in plan.nodes))
+
+    def _kernel_ip(self, ray) -> str:
+        """The address this kernel is reached at from the cluster's nodes (the data hub
+        listens there).  A kernel that is a Ray driver has its node's address.  Through Ray
+        Client (``ray://``) it is on no Ray node, and Ray's own guess is the interface towards
+        the internet (or the hostname's address where there is no route), which need not face
+        the cluster: the interface this machine uses towards the head's client server does."""
+        server = _client_server(ray, self.address)
+        if server is None:
+            return ray.util.get_node_ip_address()
+        import socket
+
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in server[0] else socket.AF_INET,
+                               socket.SOCK_DGRAM) as probe:
+                probe.connect(server)  # UDP: nothing is sent, the kernel only picks the route
+                return probe.getsockname()[0]
+        except OSError:  # no route from here (cannot be, we are connected): Ray's guess
+            return ray.util.get_node_ip_address()
 
     # -- jobs ---------------------------------------------------------------------------
     def start(self, spec: LaunchSpec) -> "RayJob":
@@ -356,6 +388,24 @@ class RayLauncher(Launcher):
         if self._ours:
             ray.shutdown()
         self._connected = self._ours = False
+
+
+def _client_server(ray, address: str) -> tuple[str, int] | None:
+    """(host, port) of the Ray Client server this kernel is connected through, None when it
+    is a Ray driver itself."""
+    from urllib.parse import urlsplit
+
+    client = getattr(getattr(ray.util, "client", None), "ray", None)
+    if client is None or not client.is_connected():
+        return None
+    if not address.startswith("ray://"):  # the user connected: ask the client what to
+        worker = getattr(client.get_context(), "client_worker", None)
+        address = "ray://" + str(getattr(worker, "_conn_str", ""))  # private: may be missing
+    try:
+        url = urlsplit(address)
+        return (url.hostname, url.port or 10001) if url.hostname else None
+    except ValueError:  # a malformed address cannot have connected; nothing to go by
+        return None
 
 
 def _remove_pg(pg) -> None:
