@@ -201,7 +201,10 @@ class SimulatedCluster:
             # (unshare, the init, ``ray start``s) can be reused: safe to signal.
             if self._unshare.poll() is None:
                 if self.pid:
-                    os.kill(self.pid, signal.SIGKILL)
+                    try:
+                        os.kill(self.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # it exited (a failed start) and unshare reaped it
+                        pass
                 else:  # start failed before the init was found: its process group holds it
                     os.killpg(self._unshare.pid, signal.SIGKILL)
             self._unshare.stdin.close()
