@@ -255,7 +255,9 @@ def resolve_world(opts: JobOptions, cuda_devices: int,
         if opts.gpus is not None and opts.gpus > cuda_devices:
             raise DirectiveError(
                 f"--gpus {opts.gpus} asks for more GPUs than {where} has ({cuda_devices}); "
-                f"use --gpus {cuda_devices} or fewer, or --device cpu for CPU ranks")
+                f"use --gpus {cuda_devices} or fewer, or --device cpu for CPU ranks"
+                + ("; for more GPUs, run it on a Ray cluster (%taas cluster ADDRESS, or --cluster "
+                   "ADDRESS)" if where == "this machine" else ""))
         world = opts.gpus if opts.gpus is not None else cuda_devices
     else:
         if opts.backend == "nccl" and opts.device == "cpu":

@@ -270,6 +270,15 @@ def test_resolve_world_errors(line, cuda, mentions):
     assert mentions in str(info.value) and "\n" not in str(info.value)
 
 
+def test_more_gpus_than_this_machine_has_points_to_a_cluster():
+    with pytest.raises(DirectiveError) as info:
+        resolve_world(parse_options("--gpus 16"), 8)
+    assert "run it on a Ray cluster (%taas cluster ADDRESS, or --cluster ADDRESS)" in str(info.value)
+    with pytest.raises(DirectiveError) as info:  # on a cluster, no such advice
+        resolve_world(parse_options("--gpus 16"), 8, where="the cluster")
+    assert "Ray cluster" not in str(info.value)
+
+
 @pytest.mark.parametrize("line, cuda, mentions", [
     ("--gpus 8", 4, "--gpus 8 asks for more GPUs than the cluster has (4)"),
     ("--device cuda", 0, "--device cuda but the cluster has no CUDA device"),

@@ -240,7 +240,8 @@ def check_gpus(ranks: int) -> None:
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if ranks > count:
-        raise LaunchError(f"--gpus {ranks} asks for more GPUs than this machine has ({count})")
+        raise LaunchError(f"--gpus {ranks} asks for more GPUs than this machine has ({count}); "
+                          "for more GPUs, run it on a Ray cluster (%taas cluster ADDRESS, or --cluster ADDRESS)")
 
 
 def _fds_needed(processes: int) -> int:
