@@ -167,10 +167,12 @@ def test_the_watcher_runs_a_dead_agents_hooks_and_removes_its_copies(tmp_path, m
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     hook_made = tmp_path / "hook-ran"
+    job_dir = tmp_path / "taas-0123456789ab-xyz"
+    write(job_dir / "payload.pkl")
     record = f"""
 import sys
 from taas.launch import node_watch
-node_watch.record([("tests.launch_targets:touch", ({str(hook_made)!r},))])
+node_watch.record([("tests.launch_targets:touch", ({str(hook_made)!r},))], {str(job_dir)!r})
 print("recorded", flush=True)
 sys.stdin.read()
 """
@@ -183,6 +185,6 @@ sys.stdin.read()
     assert (tmp_path / f"taas-workdir-{agent.pid}-abc").exists() and not hook_made.exists()  # alive
     agent.stdin.close()
     agent.wait()
-    wait_for(lambda: hook_made.exists() and not (tmp_path / f"taas-workdir-{agent.pid}-abc").exists(),
-             timeout=60, what="the watcher's clean-up")
+    wait_for(lambda: hook_made.exists() and not (tmp_path / f"taas-workdir-{agent.pid}-abc").exists()
+             and not job_dir.exists(), timeout=60, what="the watcher's clean-up")
     assert sorted(os.listdir(tmp_path)) == ["hook-ran", "taas-workdir-1-abc"]

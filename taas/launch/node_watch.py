@@ -8,9 +8,9 @@ nothing below the agent is left to run the job's clean-up hooks (``LaunchSpec.cl
 data relay's shared-memory rings, say) or to remove the node's copy of the working directory
 (:mod:`taas.launch.workdir_sync`).  So each agent starts one watcher (:func:`start`), which
 holds nothing but the agent's pid and start time; the agent keeps the hooks of the job it runs
-in a file of its own (:func:`record`, :func:`clear`).  When the agent is gone, the watcher runs
-the recorded hooks (in the agent's environment: ``TAAS_NODE_ID`` limits them to this node's
-share), removes the agent's copies, and exits.
+in a file of its own (:func:`record`, :func:`clear`), with the job's directory.  When the agent
+is gone, the watcher runs the recorded hooks (in the agent's environment: ``TAAS_NODE_ID``
+limits them to this node's share), removes that job directory and the agent's copies, and exits.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ def _record_path(agent_pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"taas-agent-{agent_pid}-cleanups")
 
 
-def record(hooks) -> None:
-    """In the agent: ``hooks`` (``LaunchSpec.cleanups``) are its current job's; written whole
-    or not at all, readable by the agent's user only."""
+def record(hooks, job_dir: str = "") -> None:
+    """In the agent: ``hooks`` (``LaunchSpec.cleanups``) and ``job_dir`` (see
+    :mod:`taas.launch.jobdir`) are its current job's; written whole or not at all, readable
+    by the agent's user only."""
     path = _record_path(os.getpid())
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + "-", dir=os.path.dirname(path))
     with os.fdopen(fd, "wb") as f:
-        pickle.dump(list(hooks), f)
+        pickle.dump({"hooks": list(hooks), "dirs": [job_dir] if job_dir else []}, f)
     os.replace(tmp, path)
 
 
@@ -85,10 +86,13 @@ def after(agent_pid: int) -> None:
     path = _record_path(agent_pid)
     try:
         with open(path, "rb") as f:
-            hooks = pickle.load(f)
+            recorded = pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError):  # none recorded, or a torn file
-        hooks = []
-    _run_cleanups(hooks)
+        recorded = {}
+    _run_cleanups(recorded.get("hooks", []))
+    for job_dir in recorded.get("dirs", []):  # gone already where the job ended normally
+        if os.path.isdir(job_dir):
+            remove(job_dir)
     try:
         os.unlink(path)
     except FileNotFoundError:

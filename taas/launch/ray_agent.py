@@ -209,7 +209,7 @@ class NodeAgent:
                     self._job = None
                 self._job = self._launcher.start(spec)
                 # If Ray ends us before the job's own clean-up ran, our watcher runs it.
-                node_watch.record(spec.cleanups)
+                node_watch.record(spec.cleanups, self._job.job_dir)
                 # The kernel polls once this call returns: a long start (a fresh start
                 # process still importing torch) is no silence of the kernel's.
                 self._polled = time.monotonic()
