@@ -178,7 +178,9 @@ class Session:
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]
         self.job_ids.append(job_id)
-        big = BigValues(job_id, resident=True)  # large arrays travel once, through shared memory
+        # Large arrays travel once, through shared memory; on a cluster only by descriptor
+        # (the launcher sends those bytes to each node), as named files stay on this machine.
+        big = BigValues(job_id, resident=True, files=launcher is self.launcher)
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         for line in ([note] if note else []) + rebound + big.notes:
             sink.write("stderr", line + "\n")

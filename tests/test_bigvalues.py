@@ -326,3 +326,16 @@ def test_a_resident_storage_is_not_copied_again(resident, monkeypatch):
     finally:
         again.unlink()
     assert again.fds == []
+
+
+def test_for_a_cluster_no_named_file_is_written_and_values_arrive_inline(tmp_path):
+    """A job on a cluster: files in this machine's /dev/shm would not reach other nodes, so
+    arrays (and storages not sent by descriptor) are pickled inline, without a note."""
+    shipment = BigValues("testjob", directory=str(tmp_path), files=False)
+    try:
+        array, tensor = np.arange(N, dtype=np.float64), torch.arange(N, dtype=torch.float32)
+        got = roundtrip({"a": array, "t": tensor}, shipment)
+        assert np.array_equal(got["a"], array) and torch.equal(got["t"], tensor)
+        assert os.listdir(tmp_path) == [] and shipment.notes == [] and shipment.written == 0
+    finally:
+        shipment.unlink()

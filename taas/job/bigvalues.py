@@ -64,9 +64,12 @@ class BigValues:
     """The kernel side for one job: writes big arrays to files, remembers them, removes them."""
 
     def __init__(self, job_id: str, directory: str = SHM_DIR, threshold: int = THRESHOLD,
-                 resident: bool = False):
+                 resident: bool = False, files: bool = True):
         self.job_id, self.directory, self.threshold = job_id, directory, threshold
         self.resident = resident  # tensor storages move to shared memory for good (see above)
+        # Named files in ``directory`` reach only processes on this machine: a job on a
+        # cluster (files=False) sends resident storages by descriptor and pickles the rest.
+        self.files = files
         self.fds: list[int] = []  # our duplicates of resident storages' files, for the launcher
         self.paths: list[str] = []  # named files
         self._unnamed: list[tuple[int, str]] = []  # (fd, name it gets) until publish()
@@ -194,6 +197,8 @@ class BigValues:
 
     def _write(self, data: memoryview) -> str | None:
         nbytes = data.nbytes
+        if not self.files:
+            return None
         if not self._room(nbytes):
             log.debug("no room in %s for %s: pickled to each rank instead", self.directory, _mib(nbytes))
             self._left_out += nbytes
