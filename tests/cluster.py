@@ -317,8 +317,10 @@ class SimulatedCluster:
             if line.startswith(prefix):
                 return line
 
-    def _init_pid(self) -> int:
-        """The init is unshare's only child (it forked it before the init said anything)."""
+    def _init_pid(self) -> int | None:
+        """The init is unshare's only child (it forked it before the init said anything);
+        None if it has already exited (a start that failed at once: ``stop()`` then has
+        nothing inside to kill)."""
         children = psutil.Process(self._unshare.pid).children()
-        assert len(children) == 1, children
-        return children[0].pid
+        assert len(children) <= 1, children
+        return children[0].pid if children else None
