@@ -82,8 +82,21 @@ def skipped(rel: str, is_dir: bool) -> bool:
     return any(p in SKIPPED_DIRS for p in (parts if is_dir else parts[:-1]))
 
 
-def scan(root: str) -> dict[str, tuple]:
-    """The manifest of what is copied of ``root``: rel -> (kind, size, mode, mtime_ns)."""
+def _entry(st: os.stat_result) -> tuple | None:
+    """A manifest entry (kind, size, mode, mtime_ns) for a directory, regular file or link;
+    None for anything else (sockets, FIFOs, devices are never copied)."""
+    if stat.S_ISDIR(st.st_mode):
+        return ("d", 0, stat.S_IMODE(st.st_mode), 0)
+    if stat.S_ISREG(st.st_mode):
+        return ("f", st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+    if stat.S_ISLNK(st.st_mode):
+        return ("l", st.st_size, 0, st.st_mtime_ns)
+    return None
+
+
+def scan(root: str, skip: bool = True) -> dict[str, tuple]:
+    """The manifest of what is copied of ``root``: rel -> (kind, size, mode, mtime_ns); with
+    ``skip=False``, of everything under it (a rank's layer)."""
     out: dict[str, tuple] = {}
 
     def walk(directory: str, prefix: str) -> None:
@@ -97,17 +110,14 @@ def scan(root: str) -> dict[str, tuple]:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISDIR(st.st_mode):
-                if skipped(rel, True):
-                    continue
-                out[rel] = ("d", 0, stat.S_IMODE(st.st_mode), 0)
-                walk(entry.path, rel + "/")
-            elif skipped(rel, False):
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if skip and skipped(rel, is_dir):
                 continue
-            elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("f", st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
-            elif stat.S_ISLNK(st.st_mode):
-                out[rel] = ("l", st.st_size, 0, st.st_mtime_ns)
+            found = _entry(st)
+            if found is not None:
+                out[rel] = found
+            if is_dir:
+                walk(entry.path, rel + "/")
 
     walk(root, "")
     return out
@@ -230,13 +240,7 @@ def scan_one(root: str, rel: str) -> tuple | None:
         st = os.lstat(_safe(root, rel))
     except (OSError, ValueError):
         return None
-    if stat.S_ISDIR(st.st_mode):
-        return ("d", 0, stat.S_IMODE(st.st_mode), 0)
-    if stat.S_ISREG(st.st_mode):
-        return ("f", st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
-    if stat.S_ISLNK(st.st_mode):
-        return ("l", st.st_size, 0, st.st_mtime_ns)
-    return ("other", 0, 0, 0)
+    return _entry(st) or ("other", 0, 0, 0)
 
 
 def _remove_tree(path: str) -> None:
@@ -249,28 +253,7 @@ def read_tree(root: str) -> list[tuple]:
     """Every regular file, link and directory under ``root`` as entries (a rank's layer, sent
     to the kernel).  Overlay whiteouts (a rank > 0 deleted a path) are not sent: such deletions
     are never applied to the working directory."""
-    manifest = {}
-
-    def walk(directory: str, prefix: str) -> None:
-        try:
-            entries = list(os.scandir(directory))
-        except OSError:
-            return
-        for entry in entries:
-            rel = prefix + entry.name
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                manifest[rel] = ("d", 0, stat.S_IMODE(st.st_mode), 0)
-                walk(entry.path, rel + "/")
-            elif stat.S_ISREG(st.st_mode):
-                manifest[rel] = ("f", st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
-            elif stat.S_ISLNK(st.st_mode):
-                manifest[rel] = ("l", st.st_size, 0, st.st_mtime_ns)
-
-    walk(root, "")
+    manifest = scan(root, skip=False)
     return pack(root, manifest, sorted(manifest))
 
 
