@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from tests.kernel_driver import cmdline, process_name
+from tests.kernel_driver import cmdline, process_name, wait_for
 
 
 def connected_kernel(ray_cluster, workdir):
@@ -82,3 +82,16 @@ taas.register(fed)
 cpu_nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("cpu_node"))
 print("CPU", ",".join(cpu_nodes))
 """
+
+
+def sleeping_job(ray_cluster, k, others: set) -> tuple[int, list[int], list[int]]:
+    """Start a 4-rank job that sleeps in kernel ``k`` (connected); once its ranks run:
+    (the kernel's pid, the ranks' pids, the pids of the agents ``k`` started: not in ``others``)."""
+    k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
+    wait_for(lambda: len(job_processes(ray_cluster)) >= 4, timeout=300, what="the ranks starting")
+    kernel_pid = k.descendants()[0].pid  # nsenter's child: the kernel itself
+    ranks = [p.pid for p in job_processes(ray_cluster)]
+    mine = [pid for pid in agents(ray_cluster) if pid not in others]
+    assert mine, "this kernel's agents were not found"
+    return kernel_pid, ranks, mine
+

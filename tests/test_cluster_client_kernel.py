@@ -18,7 +18,7 @@ import signal
 
 import pytest
 
-from tests.cluster_helpers import LOADER_SETUP, agents, job_processes, placement_groups_left, relays
+from tests.cluster_helpers import LOADER_SETUP, agents, job_processes, placement_groups_left, relays, sleeping_job
 from tests.kernel_driver import cell, cmdline, wait_until_gone
 from tests.test_cluster_kernel import LOADER_CELL, _agents_of
 
@@ -104,17 +104,7 @@ def test_a_killed_ray_client_kernel_leaves_nothing_after_the_grace_period(ray_cl
     k = ray_cluster.kernel(str(tmp_path), env={"RAY_CLIENT_RECONNECT_GRACE_PERIOD": str(GRACE)})
     try:
         assert k.run(f"%taas cluster {ray_cluster.client_address}").error is None
-        k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
-        import time
-
-        deadline = time.monotonic() + 300
-        while len(job_processes(ray_cluster)) < 4:
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.1)
-        kernel_pid = k.descendants()[0].pid  # nsenter's child: the kernel itself
-        ranks = [p.pid for p in job_processes(ray_cluster)]
-        mine = [pid for pid in agents(ray_cluster) if pid not in others]
-        assert mine, "this kernel's agents were not found"
+        kernel_pid, ranks, mine = sleeping_job(ray_cluster, k, others)
         os.kill(kernel_pid, signal.SIGKILL)
         assert wait_until_gone(ranks, timeout=GRACE + 60) == [], [cmdline(p) for p in job_processes(ray_cluster)]
         assert wait_until_gone(mine, timeout=120) == []

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.cluster_helpers import (LOADER_SETUP, agents, connected_kernel, job_processes,
-                                   placement_groups_left, relays)
+                                   placement_groups_left, relays, sleeping_job)
 from tests.kernel_driver import cell, cmdline, plain, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -104,21 +104,14 @@ def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
     k = ray_cluster.kernel(str(tmp_path))
     try:
         assert k.run(f"%taas cluster {ray_cluster.address}").error is None
-        k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
-        deadline = time.monotonic() + 300
-        while len(job_processes(ray_cluster)) < 4:
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.1)
-        kernel_pid = k.descendants()[0].pid  # nsenter's child: the kernel itself
-        ranks = [p.pid for p in job_processes(ray_cluster)]
-        mine = [pid for pid in agents(ray_cluster) if pid not in others]
-        assert mine, "this kernel's agents were not found"
+        kernel_pid, ranks, mine = sleeping_job(ray_cluster, k, others)
         import os
         import signal
 
         os.kill(kernel_pid, signal.SIGKILL)
-        # The job's processes end within 10 s (each agent notices that the kernel stopped
-        # polling it); the agents are actors of the kernel's Ray connection, which Ray ends.
+        # The job's processes end within 10 s (each agent learns from the GCS that the
+        # kernel's driver ended); the agents are actors of the kernel's Ray connection, which
+        # Ray ends.
         assert wait_until_gone(ranks, timeout=10) == [], [cmdline(p) for p in job_processes(ray_cluster)]
         assert wait_until_gone(mine, timeout=120) == []
         assert placement_groups_left(ray_cluster) == "0"
