@@ -69,6 +69,7 @@ def load_ipython_extension(ipython) -> None:
     session.warm()  # torch imports in the background while the user writes the next cell
     ipython.register_magics(TaasMagics(ipython, session))
     ipython.input_transformers_cleanup.insert(0, pragma_transformer)
+    ipython.events.register("post_run_cell", session.after_cell)
     _loaded.update(shell=ipython, session=session)
 
 
@@ -82,6 +83,11 @@ def unload_ipython_extension(ipython) -> None:
         ipython.input_transformers_cleanup.remove(pragma_transformer)
     for kind in ("line", "cell"):
         ipython.magics_manager.magics[kind].pop("taas", None)
-    _loaded.pop("session").close()
+    session = _loaded.pop("session")
+    try:
+        ipython.events.unregister("post_run_cell", session.after_cell)
+    except ValueError:  # not registered (loaded by an older version of this function)
+        pass
+    session.close()
     _loaded.clear()
     forget_display_formatter()

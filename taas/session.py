@@ -28,6 +28,7 @@ from taas.io.output import Sink, TerminalSink
 from taas.job import analysis, crossing, package
 from taas.job.api import Job, Policy, World
 from taas.job.bigvalues import BigValues
+from taas.job.resident import ResidentMemory
 from taas.launch.local import LocalLauncher
 from taas.shield import import_shielded
 from taas.supervisor import Supervisor
@@ -81,6 +82,9 @@ class Session:
         self.workdir = "auto"
         self.workdir_limit: int | None = None
         self.last: JobStats | None = None
+        # Big tensor storages moved to shared memory in place, for every later job to map
+        # (taas.job.resident); their files are closed once the notebook frees them.
+        self.resident = ResidentMemory()
         self.job_ids: list[str] = []  # every job this session ran, oldest first
         # One job at a time per kernel (a cell may run one from a thread): the launcher's
         # channel to the start process is not shared.
@@ -95,6 +99,15 @@ class Session:
             self._cluster_launcher.shutdown()
             self._cluster_launcher = None
         self.launcher.shutdown()
+        self.resident.close()
+
+    def after_cell(self, *args) -> None:
+        """After every notebook cell: let go of the shared files of tensors it freed, so that
+        their memory is returned now, not at the next job."""
+        try:
+            self.resident.prune()
+        except OSError:  # /proc unreadable: kept until the next job, nothing lost
+            pass
 
     # -- where jobs run -----------------------------------------------------------------
     def cluster_address(self, options: directive.JobOptions | None = None) -> str | None:
@@ -180,7 +193,8 @@ class Session:
         self.job_ids.append(job_id)
         # Large arrays travel once, through shared memory; on a cluster only by descriptor
         # (the launcher sends those bytes to each node), as named files stay on this machine.
-        big = BigValues(job_id, resident=True, files=launcher is self.launcher)
+        self.resident.prune()
+        big = BigValues(job_id, resident=self.resident, files=launcher is self.launcher)
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         for line in ([note] if note else []) + rebound + big.notes:
             sink.write("stderr", line + "\n")

@@ -3,6 +3,7 @@ a job id and a directory, no kernel."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import socket
@@ -16,7 +17,9 @@ import torch
 
 from taas.errors import PackagingError
 from taas.job import bigvalues, package
+from taas.job import resident as resmem
 from taas.job.bigvalues import BigValues
+from taas.job.resident import ResidentMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
@@ -284,40 +287,53 @@ def test_unlink_without_waiting_removes_the_files_in_a_thread(big):
     assert files(big) == [] and big.paths == []
 
 
-# -- resident storages: moved to shared memory once, passed by descriptor ----------------------
+# -- resident storages: moved to shared memory in place, once; passed by descriptor ------------
+# Bigger than glibc's largest mmap threshold (32 MiB), so torch's allocation is always a chunk of
+# its own mapping, wherever this test runs in a long session.
+R_N = (40 << 20) // 4
+
+
 @pytest.fixture
 def resident(monkeypatch):
-    """A shipment with resident storages, and a 'rank' in this process: the env var the
-    launcher sets, listing the passed descriptors (here: the kernel's own duplicates)."""
-    shipment = BigValues("testjob", resident=True)
+    """A shipment with the kernel's resident memory, and a 'rank' in this process: the env var
+    the launcher sets, listing the passed descriptors (here: the kernel's own duplicates)."""
+    memory = ResidentMemory()
+    shipment = BigValues("testjob", resident=memory)
     yield shipment, lambda: monkeypatch.setenv(bigvalues.SHARED_FDS_ENV, ",".join(map(str, shipment.fds)))
     shipment.unlink()
+    memory.close()
 
 
-def test_a_storage_moves_to_shared_memory_once_and_its_views_follow(resident):
+def _mapping_of(address: int) -> resmem.Mapping:
+    return next(m for m in resmem.read_maps() if m.start <= address < m.end)
+
+
+def test_a_storage_moves_to_shared_memory_in_place_and_every_alias_follows(resident):
     big, as_rank = resident
-    base = torch.randn(4 * N)
+    base = torch.randn(R_N)
     view = base[N:2 * N]
     before = base.clone()
+    address = base.data_ptr()
+    raw = (ctypes.c_float * 4).from_address(address)  # an alias torch knows nothing of
     blob = package.ship({"base": base, "view": view}, big=big)
-    assert len(big.fds) == 1 and big.written == 4 * MIB
-    assert base.untyped_storage()._get_shared_fd() >= 0  # the notebook's tensor now lives there
+    assert len(big.fds) == 1 and big.written >= R_N * 4 and big.paths == []
+    assert base.data_ptr() == address and _mapping_of(address).perms == "rw-s"  # same place, shared now
     assert torch.equal(base, before) and view.data_ptr() == base.data_ptr() + N * 4
+    base[0] = -5.0  # the notebook keeps using its tensor as before, aliases included
+    assert raw[0] == -5.0 and base.untyped_storage().resizable()
     as_rank()
     got = package.unship(blob)
-    assert torch.equal(got["base"], before)
+    assert got["base"][0].item() == -5.0 and torch.equal(got["base"][1:], before[1:])
     got["view"][0] = 123.0  # copy-on-write in the rank ...
     assert got["base"][N].item() == 123.0 and base[N].item() == before[N].item()  # ... never the notebook's
-    base[0] = -5.0  # the notebook keeps using its tensor as before
-    assert base[0].item() == -5.0
 
 
 def test_a_resident_storage_is_not_copied_again(resident, monkeypatch):
     big, as_rank = resident
-    base = torch.randn(2 * N)
+    base = torch.randn(R_N)
     package.ship({"x": base}, big=big)
     big.unlink()
-    again = BigValues("testjob2", resident=True)
+    again = BigValues("testjob2", resident=big.resident)
     try:
         blob = package.ship({"x": base}, big=again)
         assert again.written == 0 and len(again.fds) == 1  # no copy: the same file, passed again
@@ -326,6 +342,95 @@ def test_a_resident_storage_is_not_copied_again(resident, monkeypatch):
     finally:
         again.unlink()
     assert again.fds == []
+
+
+def test_a_tensor_with_a_numpy_alias_is_copied_and_the_alias_still_works(resident):
+    """torch marks a storage with a numpy alias not resizable; such memory is not moved (the old
+    swap-the-pointer design freed it under the array: the kernel crashed)."""
+    big, as_rank = resident
+    base = torch.arange(R_N, dtype=torch.float32)
+    alias = base.numpy()
+    got = roundtrip({"x": base}, big)
+    assert big.resident.moved == 0 and big.fds == [] and len(big.paths) == 1  # a file for this job
+    assert torch.equal(got["x"], base)
+    torch.zeros(R_N), torch.ones(R_N)  # memory freed and reused meanwhile would show here
+    alias[0] = 42.0
+    assert base[0].item() == 42.0 and float(alias[1:5].sum()) == 1 + 2 + 3 + 4
+
+
+def test_memory_torch_does_not_own_is_copied(resident):
+    big, as_rank = resident
+    array = np.arange(R_N, dtype=np.float32)
+    got = roundtrip({"x": torch.from_numpy(array)}, big)
+    assert big.resident.moved == 0 and big.fds == [] and np.array_equal(got["x"].numpy(), array)
+
+
+def test_a_freed_tensors_file_is_closed_by_prune(resident):
+    big, as_rank = resident
+    base = torch.randn(R_N)
+    package.ship({"x": base}, big=big)
+    big.unlink()
+    memory = big.resident
+    (block,) = memory._blocks.values()
+    memory.prune()
+    assert len(memory) == 1  # still in use
+    del base
+    memory.prune()
+    assert len(memory) == 0
+    with pytest.raises(OSError):
+        os.fstat(block.fd)
+
+
+def test_move_keeps_every_byte_and_maps_the_file_chunk_by_chunk():
+    import mmap
+
+    region = mmap.mmap(-1, 5 * resmem.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region[:] = os.urandom(len(region))
+    before = bytes(region)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    fd = os.memfd_create("test")
+    try:
+        resmem.move(fd, start, len(region), chunk=2 * resmem.PAGE, movers=2)
+        assert bytes(region) == before and os.pread(fd, len(region), 0) == before
+        maps = resmem.read_maps()
+        assert resmem._covered(maps, start, start + len(region), lambda m: m.perms == "rw-s")
+        region[0:4] = b"abcd"  # the region is the file now
+        assert os.pread(fd, 4, 0) == b"abcd"
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_move_leaves_the_memory_as_it_was():
+    import mmap
+
+    region = mmap.mmap(-1, 4 * resmem.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region[:] = os.urandom(len(region))
+    before = bytes(region)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    fd = os.open("/dev/null", os.O_RDONLY)  # every write fails
+    try:
+        with pytest.raises(OSError):
+            resmem.move(fd, start, len(region), chunk=resmem.PAGE)
+    finally:
+        os.close(fd)
+    assert bytes(region) == before
+    assert resmem._anonymous(resmem.read_maps(), start, len(region))
+
+
+def test_only_a_chunk_of_its_own_mapping_qualifies():
+    Mapping = resmem.Mapping
+    anon = [Mapping(0x10000, 0x90000, "rw-p", 0, (0, 0), 0)]
+    assert resmem._anonymous(anon, 0x10000, 0x80000)
+    assert not resmem._anonymous(anon, 0x10000, 0x90000 + 0x1000)  # beyond the mapping
+    split = [Mapping(0x10000, 0x20000, "rw-p", 0, (0, 0), 0), Mapping(0x20000, 0x30000, "rw-s", 0, (0, 5), 9)]
+    assert not resmem._anonymous(split, 0x10000, 0x20000 + 0x1000)  # half moved already
+    block = resmem.Block(0x20000, 0x10000, -1, (0, 5), 9)
+    assert resmem._backed_by(split, block)
+    assert not resmem._backed_by(split, resmem.Block(0x20000, 0x10000, -1, (0, 5), 10))  # another file
+    data = bytearray(8 << 20)  # a buffer Python allocated: its pointer is not a glibc chunk of ours
+    address = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    got = resmem.allocation(address + 4096 - address % 4096, 1 << 20, resmem.read_maps())
+    assert got is None
 
 
 def test_for_a_cluster_no_named_file_is_written_and_values_arrive_inline(tmp_path):

@@ -43,9 +43,14 @@ def test_rank_writes_to_its_own_copy_only(kernel, clean):
     assert "[rank0] mapped ['rw-p']" in run.stdout  # one private mapping of the shared copy
     assert "[rank0] rank0 unchanged True" in run.stdout
     assert "[rank1] rank1 first 1.0" in run.stdout
-    after = kernel.run("print(torch.equal(big, torch.arange(16 << 20, dtype=torch.float32)), "
-                       "big.untyped_storage()._get_shared_fd() >= 0)")
-    assert after.stdout.strip() == "True True"  # the notebook's tensor, now in shared memory
+    after = kernel.run(cell("""
+        a = big.data_ptr()
+        perms = [line.split()[1] for line in open("/proc/self/maps")
+                 if int(line.split("-")[0], 16) <= a < int(line.split()[0].split("-")[1], 16)]
+        print(torch.equal(big, torch.arange(16 << 20, dtype=torch.float32)), perms)
+    """))
+    # the notebook's tensor, unchanged and where it was, now in shared memory
+    assert after.stdout.strip() == "True ['rw-s']", after.stdout
 
 
 def test_the_next_job_gets_the_same_copy_with_the_notebooks_changes(kernel, clean):
@@ -65,3 +70,41 @@ def test_failed_job_leaves_no_shared_copy(kernel, clean):
         raise ValueError("boom after reading big")
     """))
     assert run.error is not None and "boom after reading big" in run.traceback
+
+
+def test_a_tensor_with_a_numpy_alias_and_the_alias_survive_a_job(kernel, clean):
+    """The alias shares the tensor's memory; a job must neither free it nor move it away (the
+    first design swapped the storage's pointer and freed the old pages: the kernel crashed)."""
+    setup = kernel.run("t2 = torch.arange(16 << 20, dtype=torch.float32)\na2 = t2.numpy()")
+    assert setup.error is None, setup.traceback
+    run = kernel.run(cell("""
+        #pragma taas --gpus 2
+        print("sum", float(t2[:5].sum()))
+    """))
+    assert run.error is None, run.traceback
+    assert run.stdout.count("sum 10.0") == 2, run.stdout
+    after = kernel.run(cell("""
+        junk = [torch.ones(16 << 20) for _ in range(3)]  # would reuse freed memory
+        a2[0] = 5.0
+        print(t2[0].item(), float(a2[1:5].sum()))
+        del junk
+    """))
+    assert after.error is None, after.traceback
+    assert after.stdout.strip() == "5.0 10.0"
+
+
+SHARED_FILES = cell("""
+    print(sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+              for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")))
+""")
+
+
+def test_a_freed_tensors_shared_memory_goes_after_the_cell_that_freed_it(kernel, clean):
+    assert kernel.run("import os").error is None
+    before = int(kernel.run(SHARED_FILES).stdout)
+    kernel.run("t3 = torch.ones(16 << 20)")
+    run = kernel.run("#pragma taas --gpus 2\nx = float(t3[:4].sum())")
+    assert run.error is None, run.traceback
+    assert int(kernel.run(SHARED_FILES).stdout) == before + 1  # t3's file, kept for later jobs
+    kernel.run("del t3")
+    assert int(kernel.run(SHARED_FILES).stdout) == before  # closed after the cell that freed it

@@ -21,16 +21,14 @@ non-contiguous arrays.  When the directory lacks room (statvfs, or a failed writ
 travels the ordinary way and :attr:`BigValues.notes` says so in one line.
 
 **Resident tensors.**  Copying a GiB into fresh shared memory costs most of a second (new pages),
-every job.  So a plain CPU tensor storage is copied once and *stays* there: its bytes go to an
-unnamed shared-memory file and the storage itself is switched to a shared mapping of that file
-(``UntypedStorage._swap_data_ptr_``: every tensor viewing it sees the same values, now in shared
-memory -- what ``tensor.share_memory_()`` and ``torch.multiprocessing`` do).  The file is open
-only as long as the storage lives (torch closes it with the storage: nothing to clean up, not
-even after a killed kernel).  A later job sends the same storage with no copy at all: the
-launcher passes the file's descriptor to every process (:attr:`BigValues.fds`,
-``LaunchSpec.shared_fds``), which maps it copy-on-write through ``/proc/self/fd``.  A storage
-already shared by descriptor (``share_memory_()``) travels the same way.  The one difference a
-user can see: such a storage cannot be resized in place any more, as after ``share_memory_()``.
+every job.  So a CPU tensor storage that torch allocated is moved *in place*, once, onto an
+unnamed shared-memory file (:mod:`taas.job.resident`: its pages are remapped, the addresses
+stay, so views, ``tensor.numpy()`` arrays and other aliases keep working).  A later job sends
+the same storage with no copy at all: the launcher passes the file's descriptor to every
+process (:attr:`BigValues.fds`, ``LaunchSpec.shared_fds``), which maps it copy-on-write.  A
+storage already shared by descriptor (``share_memory_()``) travels the same way.  Storages that
+cannot move (memory torch does not own, such as ``torch.from_numpy``; an allocation in the heap)
+are written to a file per job, as arrays are.
 
 The kernel removes the files after the job (:meth:`BigValues.unlink`); the launcher removes
 them too, when the job's processes ended or the kernel died (:meth:`BigValues.cleanups`, a
@@ -49,6 +47,9 @@ import os
 import sys
 import threading
 
+from taas.job import resident
+from taas.job.resident import ResidentMemory
+
 THRESHOLD = 1 << 20  # bytes: smaller arrays stay inline in the pickle
 SHM_DIR = "/dev/shm"
 ROOM_MARGIN = 64 << 20  # bytes left free in SHM_DIR after writing a value
@@ -64,9 +65,11 @@ class BigValues:
     """The kernel side for one job: writes big arrays to files, remembers them, removes them."""
 
     def __init__(self, job_id: str, directory: str = SHM_DIR, threshold: int = THRESHOLD,
-                 resident: bool = False, files: bool = True):
+                 resident: ResidentMemory | None = None, files: bool = True):
         self.job_id, self.directory, self.threshold = job_id, directory, threshold
-        self.resident = resident  # tensor storages move to shared memory for good (see above)
+        # The kernel's moved storages (see above); None: every storage is copied per job.
+        self.resident = resident
+        self._maps = None  # /proc/self/maps, read once per job (again after a move)
         # Named files in ``directory`` reach only processes on this machine: a job on a
         # cluster (files=False) sends resident storages by descriptor and pickles the rest.
         self.files = files
@@ -112,14 +115,17 @@ class BigValues:
             return NotImplemented
         if canonical is not obj:  # another Python object for the same storage
             return _same, (canonical,)
-        return _map_storage, (self._storages[obj._cdata][1], obj.nbytes())
+        where = self._storages[obj._cdata][1]
+        if isinstance(where, tuple):  # (index of a passed descriptor, offset in its file)
+            return _map_storage, (where[0], obj.nbytes(), where[1])
+        return _map_storage, (where, obj.nbytes())
 
     def _storage(self, untyped):
         """The one object standing for this storage in the pickle (so pickle's memo makes every
         view of it share one storage in the rank), written to a file; None if it did not fit."""
         entry = self._storages.get(untyped._cdata)
         if entry is None:
-            where = self._resident_fd(untyped) if self.resident else None
+            where = self._resident_fd(untyped) if self.resident is not None else None
             if where is None:
                 nbytes = untyped.nbytes()
                 data = (ctypes.c_char * nbytes).from_address(untyped.data_ptr())
@@ -127,48 +133,36 @@ class BigValues:
             entry = self._storages[untyped._cdata] = (untyped, where)
         return entry[0] if entry[1] is not None else None
 
-    def _resident_fd(self, untyped) -> int | None:
-        """The index in :attr:`fds` of ``untyped``'s shared-memory file, moving the storage
-        there first if it is a plain allocation; None where that cannot be done."""
+    def _resident_fd(self, untyped) -> tuple[int, int] | None:
+        """(index in :attr:`fds`, offset) of ``untyped``'s bytes in a shared-memory file, moving
+        its allocation there first (:mod:`taas.job.resident`); None where that cannot be done."""
         if len(self.fds) >= MAX_FDS:  # more big tensors than that: the rest go as files
             return None
         try:
-            fd = untyped._get_shared_fd()  # already resident, or shared by share_memory_()
-        except RuntimeError:  # a plain allocation: not shared yet
-            fd = self._make_resident(untyped)
+            fd, offset = untyped._get_shared_fd(), 0  # shared by share_memory_()
+        except RuntimeError:  # not shared by torch: moved by us before, or to move now
+            if not untyped.resizable():  # memory torch does not own (from_numpy, from_file, ...)
+                return None
+            if self._maps is None:
+                self._maps = resident.read_maps()
+            moved = self.resident.moved
+            got = self.resident.share(untyped.data_ptr(), untyped.nbytes(), self._room, self._maps)
+            if self.resident.moved != moved:
+                self._maps = None  # the move changed the mappings
+                self._free -= self.resident.moved - moved
+                self.written += self.resident.moved - moved
+                log.debug("tensor storage of %s moved to shared memory for good", _mib(untyped.nbytes()))
+            if got is None:
+                return None
+            fd, offset = got
         except AttributeError:  # a torch without it
             return None
         if fd is None or fd < 0:  # (-1: mapped from a named file; that goes the file way)
             return None
-        self.fds.append(os.dup(fd))  # ours for the job: the storage may die meanwhile
+        self.fds.append(os.dup(fd))  # ours for the job: the storage may be freed meanwhile
         log.debug("tensor storage of %s travels by descriptor (resident shared memory, #%d)",
                   _mib(untyped.nbytes()), len(self.fds) - 1)
-        return len(self.fds) - 1
-
-    def _make_resident(self, untyped) -> int | None:
-        import torch
-
-        nbytes = untyped.nbytes()
-        if not hasattr(untyped, "_swap_data_ptr_") or not self._room(nbytes):
-            return None
-        try:
-            fd = _open_unnamed(self.directory, os.O_RDWR)
-        except OSError:
-            return None
-        try:
-            _write_parallel(fd, memoryview((ctypes.c_char * nbytes).from_address(untyped.data_ptr())))
-            shared = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # keeps its own dup
-        except OSError:  # ENOSPC: a race with another writer
-            self._free = 0
-            return None
-        finally:
-            os.close(fd)
-        log.debug("tensor storage of %s moved to shared memory for good", _mib(nbytes))
-        untyped._swap_data_ptr_(shared)  # the storage now lives in shared memory ...
-        del shared  # ... and this frees the old bytes
-        self._free -= nbytes
-        self.written += nbytes
-        return untyped._get_shared_fd()
+        return len(self.fds) - 1, offset
 
     def _room(self, nbytes: int) -> bool:
         if self._free is None:
@@ -286,14 +280,24 @@ def _candidate_types() -> dict[type, str]:
 SHARED_FDS_ENV = "TAAS_SHARED_FDS"  # the job's shared fds as this process has them: "5,6,..."
 
 
-def _map_storage(where, nbytes: int):
-    """A storage over a private (copy-on-write) mapping of file ``where`` (a path, or the index
-    of a file descriptor the launcher passed); pages load on first touch."""
+def _map_storage(where, nbytes: int, offset: int = 0):
+    """A storage over a private (copy-on-write) mapping of ``nbytes`` at ``offset`` of file
+    ``where`` (a path, or the index of a file descriptor the launcher passed); pages load on
+    first touch."""
     import torch
 
     if isinstance(where, int):
-        fds = os.environ.get(SHARED_FDS_ENV, "").split(",")
-        where = f"/proc/self/fd/{int(fds[where])}"
+        fd = int(os.environ.get(SHARED_FDS_ENV, "").split(",")[where])
+        if offset:
+            import mmap
+
+            start = offset - offset % mmap.PAGESIZE
+            mapped = mmap.mmap(fd, offset - start + nbytes, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            # The storage keeps the view, and so the mapping, alive; unmapped when it dies.
+            view = memoryview(mapped)[offset - start:]
+            return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+        where = f"/proc/self/fd/{fd}"
     return torch.UntypedStorage.from_file(where, shared=False, nbytes=nbytes)
 
 
