@@ -122,7 +122,9 @@ def test_a_daemon_below_an_escaped_process_ends_with_the_job(kernel, workdir, cl
     assert wait_until_gone([grandchild], timeout=5.0) == []
 
 
-def test_a_daemon_dies_when_the_start_process_is_killed(kernel, workdir, clean):
+def _job_with_a_daemon(kernel, workdir) -> tuple[str, int]:
+    """Start a one-rank job whose rank starts a ``setsid`` daemon (it re-parents to the start
+    process at once) and then sleeps: (the cell's msg_id, the daemon's pid)."""
     (workdir / "daemon.pid").unlink(missing_ok=True)
     msg_id = kernel.execute(cell("""
         #pragma taas --gpus 1
@@ -136,12 +138,16 @@ def test_a_daemon_dies_when_the_start_process_is_killed(kernel, workdir, clean):
         """))
     path = workdir / "daemon.pid"
     wait_for(path.exists, what="the rank's daemon")
-    daemon = int(path.read_text())
-    starter = [p for p in kernel.descendants() if process_name(p) == "taas-start"]
-    assert len(starter) == 1
-    below = [p.pid for p in starter[0].children(recursive=True)]
-    starter[0].kill()  # as the OOM killer would
-    assert wait_until_gone([daemon, starter[0].pid, *below], timeout=5.0) == []
+    return msg_id, int(path.read_text())
+
+
+def _only(kernel, name: str) -> psutil.Process:
+    found = [p for p in kernel.descendants() if process_name(p) == name]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _the_cell_fails_and_the_next_job_runs(kernel, msg_id: str) -> None:
     reply = kernel.reply(msg_id)
     assert reply["content"]["status"] == "error"
     run = kernel.run("#pragma taas --gpus 1\nx = 3\nx")
@@ -149,14 +155,46 @@ def test_a_daemon_dies_when_the_start_process_is_killed(kernel, workdir, clean):
     assert run.result == "3"
 
 
-def test_killing_the_kernel_while_the_start_process_imports_torch_leaves_nothing(workdir):
+def test_a_daemon_dies_when_the_start_process_is_killed(kernel, workdir, clean):
+    msg_id, daemon = _job_with_a_daemon(kernel, workdir)
+    starter = _only(kernel, "taas-start")
+    below = [p.pid for p in starter.children(recursive=True)]
+    starter.kill()  # as the OOM killer would
+    assert wait_until_gone([daemon, starter.pid, *below], timeout=5.0) == []
+    _the_cell_fails_and_the_next_job_runs(kernel, msg_id)
+
+
+@pytest.mark.parametrize("how", ["guard", "its process group"])
+def test_a_daemon_dies_when_the_guard_is_killed(kernel, workdir, clean, how):
+    # The start process's parent-death signal (SIGTERM) ends everything below it; and it leads
+    # a process group of its own, so one killpg cannot SIGKILL the guard and it together.
+    msg_id, daemon = _job_with_a_daemon(kernel, workdir)
+    guard = _only(kernel, "taas-guard")
+    starter = _only(kernel, "taas-start")
+    below = [p.pid for p in starter.children(recursive=True)]
+    if how == "guard":
+        os.kill(guard.pid, signal.SIGKILL)
+    else:
+        os.killpg(os.getpgid(guard.pid), signal.SIGKILL)
+    assert wait_until_gone([daemon, starter.pid, *below], timeout=5.0) == []
+    _the_cell_fails_and_the_next_job_runs(kernel, msg_id)
+
+
+@pytest.mark.parametrize("victim", ["kernel", "guard"])
+def test_a_kill_while_the_start_process_imports_torch_leaves_nothing(workdir, victim):
+    # The guard killed: the start process's parent-death signal, SIGTERM, must end it then too.
     k = Kernel(str(workdir))
     try:
         wait_for(lambda: any(process_name(p) == "taas-start" for p in k.descendants()),
                  what="the start process")
         pids = [p.pid for p in k.descendants()]
         assert len(pids) >= 2  # the guard and the start process, still importing torch
-        os.kill(k.pid, signal.SIGKILL)
+        if victim == "kernel":
+            os.kill(k.pid, signal.SIGKILL)
+        else:
+            guard = [p for p in k.descendants() if p.ppid() == k.pid]
+            assert len(guard) == 1
+            guard[0].kill()
         assert wait_until_gone(pids, timeout=5.0) == []
     finally:
         try:

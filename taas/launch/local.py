@@ -282,7 +282,8 @@ def check_fd_limit(processes: int) -> None:
 
 
 def _end_guard(proc: subprocess.Popen) -> None:
-    """End the start process's guard: SIGTERM makes it kill everything below it first."""
+    """End the start process's guard: SIGTERM makes it kill everything below it first (and
+    if it must be SIGKILLed, the start process's parent-death SIGTERM does that instead)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -34,7 +34,9 @@ running job first.
 
 Above the starter sits a small *guard* (see :func:`main`): the process the kernel starts.  It
 never imports torch, dies with the kernel, and when the starter dies -- even by SIGKILL, as
-the OOM killer would -- it kills whatever escaped from the jobs and re-parented to it.
+the OOM killer would -- it kills whatever escaped from the jobs and re-parented to it.  When
+the guard dies, even by SIGKILL, the starter gets SIGTERM (its parent-death signal) and ends
+everything below it before it exits.
 
 Fds travel in batches of at most FDS_PER_MESSAGE (one SCM_RIGHTS message carries 253 at most).
 """
@@ -131,19 +133,18 @@ class Starter:
                 self._kill_orphans()  # something of a finished job re-parented to us late
 
     def shutdown(self) -> None:
-        for pid, channel in self.ready.items():
-            channel.close()  # EOF: a ready child exits
-            _killpg(pid, signal.SIGKILL)
-        job_dirs = [job.job_dir for job in self.jobs.values()]
-        for job in self.jobs.values():
-            self._signal_job(job, signal.SIGKILL)
-        self._kill_orphans()
-        deadline = time.monotonic() + 5
-        while any(j.live for j in self.jobs.values()) and time.monotonic() < deadline:
-            self._reap(report=False)
-            time.sleep(0.01)
-        for job_dir in job_dirs:  # the kernel cannot clean up after itself any more
-            shutil.rmtree(job_dir, ignore_errors=True)
+        """End every process below us -- jobs' processes, children forked ahead, and whatever
+        escaped from a job and re-parented to us -- then remove what the jobs leave.  Reached
+        when the kernel is gone or the guard asks (SIGTERM), and when the guard dies, even by
+        SIGKILL: our parent-death signal is SIGTERM, so nothing below us outlives the guard."""
+        for channel in self.ready.values():
+            channel.close()  # EOF: a ready child exits (it is killed below anyway)
+        # Until we have no child at all: a process killed now can still re-parent its own
+        # children to us (a subreaper) as it dies; so wait for them too, not only the jobs'.
+        _kill_all_children()
+        self.ready.clear()
+        for job in self.jobs.values():  # the kernel cannot clean up after itself any more
+            shutil.rmtree(job.job_dir, ignore_errors=True)
         for job in list(self.jobs.values()):
             _run_cleanups(job.cleanups)
 
@@ -234,7 +235,7 @@ class Starter:
         self._maybe_finish(job)
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _reap(self, report: bool = True) -> None:
+    def _reap(self) -> None:
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -251,8 +252,7 @@ class Starter:
                     continue  # an orphan of some job that re-parented to us: reaped, done
                 # Whatever this process started dies with it (its process group).
                 _killpg(pid, signal.SIGKILL)
-                if report:
-                    self._tell(("exit", job.job_id, key, pid, os.waitstatus_to_exitcode(status)))
+                self._tell(("exit", job.job_id, key, pid, os.waitstatus_to_exitcode(status)))
                 self._maybe_finish(job)
 
     def _maybe_finish(self, job: _Job) -> None:
@@ -482,8 +482,17 @@ def main() -> None:
     what the OOM killer picks).  It is a child subreaper and the parent of the start process;
     when the start process dies for any reason, or the kernel dies (PR_SET_PDEATHSIG, asked
     before anything slow), the guard kills every process still below it -- ranks, and daemons
-    that escaped from them and re-parented to it -- and exits.  The start process itself dies
-    with the guard (PR_SET_PDEATHSIG, asked before it imports torch)."""
+    that escaped from them and re-parented to it -- and exits.
+
+    The other way round, the guard killed (even by SIGKILL, or by a killpg of its process
+    group): the start process leads a process group of its own (set first thing after the
+    fork, by both sides), so no one killpg reaches both; and its PR_SET_PDEATHSIG towards the
+    guard, asked before it imports torch, is SIGTERM, on which it kills everything below it
+    (it is a subreaper too: escaped daemons are its children), removes its jobs' files and
+    exits (:meth:`Starter.shutdown`); while it is still importing torch SIGTERM just ends it,
+    with nothing below it yet.  Not covered: the guard and the start process SIGKILLed
+    separately at the same instant -- nothing is left alive to clean up; only a PID namespace
+    (whose init's death kills all inside) would cover that."""
     fd, kernel = int(sys.argv[1]), int(sys.argv[2])
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # first: the kernel may die at any moment
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
@@ -494,9 +503,15 @@ def main() -> None:
     guard = os.getpid()
     pid = os.fork()
     if pid:
+        _setpgid(pid)  # also done by the child; whichever runs first
         os.close(fd)  # the kernel's channel is the start process's alone (EOF when it goes)
         _guard(pid, kernel)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # A process group of our own, first: one killpg must never reach the guard and us at once.
+    _setpgid(0)
+    # SIGTERM, not SIGKILL: a guard killed by SIGKILL can no longer clean up after us, so we
+    # must (Starter.shutdown); until the Starter handles it, SIGTERM ends us at once (still
+    # blocked here, so a guard that dies now is seen when it is unblocked, or by getppid).
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGCHLD})
     if os.getppid() != guard:
         os._exit(0)
@@ -522,7 +537,9 @@ def _guard(starter: int, kernel: int) -> None:
     then kill everything below us and exit.  SIGTERM and SIGCHLD are blocked: sigwait.
 
     On SIGTERM the start process gets SIGTERM first and a moment to end its jobs and remove
-    their files (it dies at once if it is still importing torch)."""
+    their files (it dies at once if it is still importing torch).  If the guard itself is
+    killed, the start process gets the same SIGTERM from the kernel (PR_SET_PDEATHSIG, see
+    :func:`main`) and cleans up alone."""
     _set_name("taas-guard")
     while True:
         if signal.sigwait({signal.SIGTERM, signal.SIGCHLD}) == signal.SIGTERM:
@@ -557,6 +574,14 @@ def _remove_kernel_trash(kernel: int) -> None:
     # agent (taas.launch.ray_agent) that died without shutting down.
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"taas-workdir-{kernel}-*")):
         remove(path)
+
+
+def _setpgid(pid: int) -> None:
+    """Make ``pid`` (0: this process) the leader of a process group of its own."""
+    try:
+        os.setpgid(pid, 0)
+    except OSError:  # the other side did it first, or the child is already gone
+        pass
 
 
 def _reaped(pid: int) -> bool:
