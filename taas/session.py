@@ -167,7 +167,10 @@ class Session:
             self._running_since = time.strftime("%H:%M:%S")
             return self._run_cell(source, namespace, options, **kwargs)
         finally:
-            self._running.release()
+            try:
+                self.resident.settle()  # big tensors moved during the job: done before user code runs
+            finally:
+                self._running.release()
 
     def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
                   filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
@@ -196,6 +199,8 @@ class Session:
         self.resident.prune()
         big = BigValues(job_id, resident=self.resident, files=launcher is self.launcher)
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
+        if launcher is not self.launcher:
+            self.resident.settle()  # a cluster launcher reads the files' bytes to send them
         for line in ([note] if note else []) + rebound + big.notes:
             sink.write("stderr", line + "\n")
         log.debug("job %s: %d ranks on %s (%s), %d names shipped (%d bytes), %d loader workers",

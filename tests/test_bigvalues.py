@@ -317,13 +317,15 @@ def test_a_storage_moves_to_shared_memory_in_place_and_every_alias_follows(resid
     raw = (ctypes.c_float * 4).from_address(address)  # an alias torch knows nothing of
     blob = package.ship({"base": base, "view": view}, big=big)
     assert len(big.fds) == 1 and big.written >= R_N * 4 and big.paths == []
+    as_rank()
+    got = package.unship(blob)  # at once: the rank waits for the move going on in the background
+    assert torch.equal(got["base"], before)
+    big.resident.settle()
     assert base.data_ptr() == address and _mapping_of(address).perms == "rw-s"  # same place, shared now
     assert torch.equal(base, before) and view.data_ptr() == base.data_ptr() + N * 4
     base[0] = -5.0  # the notebook keeps using its tensor as before, aliases included
     assert raw[0] == -5.0 and base.untyped_storage().resizable()
-    as_rank()
-    got = package.unship(blob)
-    assert got["base"][0].item() == -5.0 and torch.equal(got["base"][1:], before[1:])
+    assert got["base"][0].item() == -5.0  # (a page the rank has not written follows the file)
     got["view"][0] = 123.0  # copy-on-write in the rank ...
     assert got["base"][N].item() == 123.0 and base[N].item() == before[N].item()  # ... never the notebook's
 
@@ -415,6 +417,24 @@ def test_a_failed_move_leaves_the_memory_as_it_was():
         os.close(fd)
     assert bytes(region) == before
     assert resmem._anonymous(resmem.read_maps(), start, len(region))
+
+
+def test_a_process_waits_for_a_complete_file_and_fails_on_a_failed_move(tmp_path):
+    import threading
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        os.pwrite(fd, b"x" * 100, 0)
+        writer = threading.Timer(0.05, lambda: os.pwrite(fd, resmem.DONE, 100))
+        writer.start()
+        resmem.wait_moved(fd, 100)  # returns once the byte past the end is written
+        writer.join()
+        os.ftruncate(fd, 100)
+        os.pwrite(fd, resmem.FAILED, 100)
+        with pytest.raises(OSError, match="could not move a big tensor"):
+            resmem.wait_moved(fd, 100)
+    finally:
+        os.close(fd)
 
 
 def test_only_a_chunk_of_its_own_mapping_qualifies():

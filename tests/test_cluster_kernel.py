@@ -57,6 +57,24 @@ def test_ranks_spread_over_both_gpu_nodes_with_torchruns_environment(kernel, ray
     assert "no CUDA device" in run.stderr  # "GPU" nodes without CUDA: gloo, with the one line
 
 
+def test_a_big_notebook_tensor_reaches_ranks_on_both_nodes_and_stays_the_notebooks(kernel):
+    """A 40 MiB tensor moves to shared memory in the kernel (taas.job.resident) and its bytes go
+    to each node by the launcher; a rank writing to it changes only its own copy."""
+    made = kernel.run("import torch\nbig = torch.arange(10 << 20, dtype=torch.float32)")
+    assert made.error is None, made.traceback
+    for _ in range(2):  # the second job: the resident file again, no move
+        run = kernel.run(cell("""
+            %%taas --gpus 4
+            import torch.distributed as dist
+            print("big", float(big[:10].sum()), float(big[-1]), flush=True)
+            big.add_(1)
+            """))
+        assert run.error is None, run.traceback
+        assert run.stdout.count(f"big 45.0 {float((10 << 20) - 1)}") == 4, run.stdout
+    after = kernel.run("print(torch.equal(big, torch.arange(10 << 20, dtype=torch.float32)))")
+    assert after.stdout.strip() == "True"
+
+
 def test_a_failing_rank_on_the_second_node_is_the_root_cause(kernel):
     run = kernel.run(cell("""
         %%taas --gpus 4

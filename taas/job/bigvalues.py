@@ -116,8 +116,8 @@ class BigValues:
         if canonical is not obj:  # another Python object for the same storage
             return _same, (canonical,)
         where = self._storages[obj._cdata][1]
-        if isinstance(where, tuple):  # (index of a passed descriptor, offset in its file)
-            return _map_storage, (where[0], obj.nbytes(), where[1])
+        if isinstance(where, tuple):  # (index of a passed descriptor, offset, complete at)
+            return _map_storage, (where[0], obj.nbytes(), *where[1:])
         return _map_storage, (where, obj.nbytes())
 
     def _storage(self, untyped):
@@ -133,13 +133,14 @@ class BigValues:
             entry = self._storages[untyped._cdata] = (untyped, where)
         return entry[0] if entry[1] is not None else None
 
-    def _resident_fd(self, untyped) -> tuple[int, int] | None:
-        """(index in :attr:`fds`, offset) of ``untyped``'s bytes in a shared-memory file, moving
-        its allocation there first (:mod:`taas.job.resident`); None where that cannot be done."""
+    def _resident_fd(self, untyped) -> tuple[int, int, int | None] | None:
+        """(index in :attr:`fds`, offset, length the file exceeds once complete) of
+        ``untyped``'s bytes in a shared-memory file, moving its allocation there (in the
+        background: :mod:`taas.job.resident`); None where that cannot be done."""
         if len(self.fds) >= MAX_FDS:  # more big tensors than that: the rest go as files
             return None
         try:
-            fd, offset = untyped._get_shared_fd(), 0  # shared by share_memory_()
+            fd, offset, complete = untyped._get_shared_fd(), 0, None  # shared by share_memory_()
         except RuntimeError:  # not shared by torch: moved by us before, or to move now
             if not untyped.resizable():  # memory torch does not own (from_numpy, from_file, ...)
                 return None
@@ -151,10 +152,10 @@ class BigValues:
                 self._maps = None  # the move changed the mappings
                 self._free -= self.resident.moved - moved
                 self.written += self.resident.moved - moved
-                log.debug("tensor storage of %s moved to shared memory for good", _mib(untyped.nbytes()))
+                log.debug("tensor storage of %s moving to shared memory for good", _mib(untyped.nbytes()))
             if got is None:
                 return None
-            fd, offset = got
+            fd, offset, complete = got
         except AttributeError:  # a torch without it
             return None
         if fd is None or fd < 0:  # (-1: mapped from a named file; that goes the file way)
@@ -162,7 +163,7 @@ class BigValues:
         self.fds.append(os.dup(fd))  # ours for the job: the storage may be freed meanwhile
         log.debug("tensor storage of %s travels by descriptor (resident shared memory, #%d)",
                   _mib(untyped.nbytes()), len(self.fds) - 1)
-        return len(self.fds) - 1, offset
+        return len(self.fds) - 1, offset, complete
 
     def _room(self, nbytes: int) -> bool:
         if self._free is None:
@@ -280,14 +281,17 @@ def _candidate_types() -> dict[type, str]:
 SHARED_FDS_ENV = "TAAS_SHARED_FDS"  # the job's shared fds as this process has them: "5,6,..."
 
 
-def _map_storage(where, nbytes: int, offset: int = 0):
+def _map_storage(where, nbytes: int, offset: int = 0, complete: int | None = None):
     """A storage over a private (copy-on-write) mapping of ``nbytes`` at ``offset`` of file
     ``where`` (a path, or the index of a file descriptor the launcher passed); pages load on
-    first touch."""
+    first touch.  ``complete``: the kernel may still be moving the tensor into the file; it is
+    complete once longer than that (:func:`taas.job.resident.wait_moved`)."""
     import torch
 
     if isinstance(where, int):
         fd = int(os.environ.get(SHARED_FDS_ENV, "").split(",")[where])
+        if complete is not None:
+            resident.wait_moved(fd, complete)
         if offset:
             import mmap
 

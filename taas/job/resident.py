@@ -3,7 +3,7 @@
 A rank is a separate process: to read a notebook tensor without a copy per rank, its bytes must
 be in a file the ranks can map.  Copying a GiB into *fresh* shared memory costs 0.4-3 s on a VM
 whose host takes back freed memory, and keeping a second copy doubles the notebook's memory.
-So the allocation itself moves, once, chunk by chunk:
+So the allocation itself moves, once, chunk by chunk, in the background while the job starts:
 
     for each 32 MiB chunk:  pwrite(file, chunk)  then  mmap(chunk's address, MAP_SHARED|MAP_FIXED, file)
 
@@ -15,6 +15,12 @@ a remapped chunk are freed at once and the next chunk's file pages reuse them, s
 never needs more than one chunk of new memory: that is what makes it fast.  A job passes the
 file's descriptor to every process, which maps it copy-on-write (see
 :func:`taas.job.bigvalues._map_storage`); later jobs pass it again with no copy at all.
+
+The move overlaps the job's start (processes, rendezvous): :meth:`ResidentMemory.share`
+returns the file at once, and a process that needs the bytes first waits until the file has
+grown past the allocation's end -- the move writes that one byte last (:func:`wait_moved`).
+The kernel waits for every move before the cell ends (:meth:`ResidentMemory.settle`), so the
+notebook's own code never runs beside one.
 
 Only allocations whose pages are theirs alone qualify: glibc's ``mmap``-ed chunks (every
 allocation above its mmap threshold, at most 32 MiB), found from the chunk header glibc keeps
@@ -37,9 +43,8 @@ import mmap
 import os
 import platform
 import threading
+import time
 from dataclasses import dataclass
-
-from taas.shield import deferred_interrupt
 
 PAGE = mmap.PAGESIZE
 CHUNK = 32 << 20  # bytes moved at a time: the most new memory the move needs at once
@@ -83,14 +88,16 @@ class ResidentMemory:
     def __init__(self, directory: str = "/dev/shm"):
         self.directory = directory
         self._blocks: dict[int, Block] = {}
+        self._moving: dict[int, threading.Thread] = {}  # start -> the thread moving that block
         self._lock = threading.Lock()
         self.moved = 0  # bytes moved so far (for tests and logs)
 
     def share(self, ptr: int, nbytes: int, room=lambda nbytes: True,
-              maps: list[Mapping] | None = None) -> tuple[int, int] | None:
-        """(our descriptor of the file, offset of ``ptr`` in it), or None where the memory does
-        not qualify (see the module doc) or the move failed; ``room(nbytes)`` is asked before
-        a file is written."""
+              maps: list[Mapping] | None = None) -> tuple[int, int, int] | None:
+        """(our descriptor of the file, offset of ``ptr`` in it, the allocation's length: the
+        file is complete once it is longer), or None where the memory does not qualify (see the
+        module doc); ``room(nbytes)`` is asked before a file is written.  A new move runs in
+        the background: :meth:`settle` before the notebook's code runs again."""
         if not supported():
             return None
         maps = read_maps() if maps is None else maps
@@ -100,8 +107,9 @@ class ResidentMemory:
         start, length = block
         with self._lock:
             known = self._blocks.get(start)
-            if known is not None and known.length == length and _backed_by(maps, known):
-                return known.fd, ptr - start
+            if known is not None and known.length == length and (start in self._moving
+                                                                  or _backed_by(maps, known)):
+                return known.fd, ptr - start, length
             if known is not None:  # freed since, and something new lives there
                 self._forget(start)
             if not _anonymous(maps, start, length) or not room(length):
@@ -110,23 +118,44 @@ class ResidentMemory:
                 fd = os.open(self.directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
             except OSError:
                 return None
-            try:
-                with deferred_interrupt():  # a chunk half moved is fine; the bookkeeping must match
-                    move(fd, start, length)
-                st = os.fstat(fd)
-            except OSError as exc:
-                # Every address still reads the right bytes (a chunk is remapped only once it
-                # was written); remapped chunks keep their part of the file alive.
-                log.debug("moving %d bytes to shared memory failed: %s", length, exc)
-                os.close(fd)
-                return None
+            st = os.fstat(fd)
             self._blocks[start] = Block(start, length, fd, (os.major(st.st_dev), os.minor(st.st_dev)),
                                         st.st_ino)
+            thread = threading.Thread(target=self._move, args=(fd, start, length), daemon=True,
+                                      name="taas-move")
+            self._moving[start] = thread
             self.moved += length
-            return fd, ptr - start
+            thread.start()
+            return fd, ptr - start, length
+
+    def _move(self, fd: int, start: int, length: int) -> None:
+        try:
+            move(fd, start, length)
+            os.pwrite(fd, DONE, length)  # last: the file is complete (see wait_moved)
+            return
+        except OSError as exc:
+            log.debug("moving %d bytes to shared memory failed: %s", length, exc)
+        # Every address still reads the right bytes (a chunk is remapped only once it was
+        # written), but the file is not complete: processes waiting for it fail, in one line.
+        try:
+            os.pwrite(fd, FAILED, length)
+        except OSError:  # pragma: no cover - a file we could not write at all
+            pass
+
+    def settle(self) -> None:
+        """Wait for every move begun; forget the blocks whose move failed."""
+        with self._lock:
+            moving, self._moving = self._moving, {}
+        for start, thread in moving.items():
+            thread.join()
+            with self._lock:
+                block = self._blocks.get(start)
+                if block is not None and os.pread(block.fd, 1, block.length) != DONE:
+                    self._forget(start)
 
     def prune(self, maps: list[Mapping] | None = None) -> None:
         """Close the files of allocations that were freed (their range maps something else)."""
+        self.settle()
         with self._lock:
             if not self._blocks:
                 return
@@ -137,6 +166,7 @@ class ResidentMemory:
 
     def close(self) -> None:
         """Close every file: the memory stays, mapped where it was, until it is freed."""
+        self.settle()
         with self._lock:
             for start in list(self._blocks):
                 self._forget(start)
@@ -146,6 +176,23 @@ class ResidentMemory:
 
     def _forget(self, start: int) -> None:
         os.close(self._blocks.pop(start).fd)
+
+
+DONE, FAILED = b"\x01", b"\x00"  # the byte a move writes just past the allocation's end
+
+
+def wait_moved(fd: int, length: int) -> None:
+    """Return once file ``fd`` holds a complete move of ``length`` bytes (in a job's process,
+    before it maps the file); OSError if the move failed."""
+    pause = 0.0005
+    while True:
+        if os.fstat(fd).st_size > length:
+            if os.pread(fd, 1, length) == DONE:
+                return
+            raise OSError("the kernel could not move a big tensor into shared memory (see the "
+                          "kernel's log); run the cell again")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
 def supported() -> bool:
