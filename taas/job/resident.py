@@ -133,8 +133,8 @@ class ResidentMemory:
             move(fd, start, length)
             os.pwrite(fd, DONE, length)  # last: the file is complete (see wait_moved)
             return
-        except OSError as exc:
-            log.debug("moving %d bytes to shared memory failed: %s", length, exc)
+        except BaseException as exc:  # noqa: BLE001 - this thread's end: processes must hear of it
+            log.warning("moving %d bytes to shared memory failed: %s", length, exc)
         # Every address still reads the right bytes (a chunk is remapped only once it was
         # written), but the file is not complete: processes waiting for it fail, in one line.
         try:
