@@ -23,11 +23,12 @@ travels the ordinary way and :attr:`BigValues.notes` says so in one line.
 **Resident tensors.**  Copying a GiB into fresh shared memory costs most of a second (new pages),
 every job.  So a CPU tensor storage that torch allocated is moved *in place*, once, onto an
 unnamed shared-memory file (:mod:`taas.job.resident`: its pages are remapped, the addresses
-stay, so views, ``tensor.numpy()`` arrays and other aliases keep working).  A later job sends
+stay, so views and other aliases keep working; the move overlaps the job's start).  A later job sends
 the same storage with no copy at all: the launcher passes the file's descriptor to every
 process (:attr:`BigValues.fds`, ``LaunchSpec.shared_fds``), which maps it copy-on-write.  A
 storage already shared by descriptor (``share_memory_()``) travels the same way.  Storages that
-cannot move (memory torch does not own, such as ``torch.from_numpy``; an allocation in the heap)
+cannot move (memory torch does not own, such as ``torch.from_numpy``; one with a ``.numpy()``
+alias, which torch marks not resizable; an allocation in the heap)
 are written to a file per job, as arrays are.
 
 The kernel removes the files after the job (:meth:`BigValues.unlink`); the launcher removes
