@@ -340,24 +340,12 @@ def _write_parallel(fd: int, data: memoryview) -> None:
     nbytes = data.nbytes
     parts = max(1, min(WRITERS, os.cpu_count() or 1, nbytes // _PART))
     bounds = [nbytes * i // parts for i in range(parts + 1)]
-    errors: list[BaseException] = []
 
     def write(start: int, end: int) -> None:
-        try:
-            while start < end:
-                start += os.pwrite(fd, data[start:min(end, start + _CHUNK)], start)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
+        while start < end:
+            start += os.pwrite(fd, data[start:min(end, start + _CHUNK)], start)
 
-    threads = [threading.Thread(target=write, args=(bounds[i], bounds[i + 1]), daemon=True)
-               for i in range(1, parts)]
-    for thread in threads:
-        thread.start()
-    write(bounds[0], bounds[1])
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    resident.in_parts(write, bounds, "taas-write")
 
 
 _UNNAMED_OK: dict[str, bool] = {}  # directory -> unnamed files can be named there later

@@ -242,30 +242,40 @@ def move(fd: int, start: int, length: int, chunk: int = CHUNK, movers: int = MOV
     module doc), from up to ``movers`` threads."""
     parts = max(1, min(movers, os.cpu_count() or 1, length // chunk))
     bounds = [start + (length // PAGE * i // parts) * PAGE for i in range(parts)] + [start + length]
+
+    def run(lo: int, hi: int) -> None:
+        while lo < hi:
+            n = min(chunk, hi - lo)
+            data = (ctypes.c_char * n).from_address(lo)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, memoryview(data)[done:], lo - start + done)
+            _map_fixed(lo, n, fd, lo - start)
+            lo += n
+
+    in_parts(run, bounds, "taas-move")
+
+
+def in_parts(work, bounds: list[int], name: str) -> None:
+    """``work(bounds[i], bounds[i + 1])`` for every part at once: the first in this thread,
+    the others in threads of their own; then the first error any of them raised."""
     errors: list[BaseException] = []
 
     def run(lo: int, hi: int) -> None:
         try:
-            while lo < hi:
-                n = min(chunk, hi - lo)
-                data = (ctypes.c_char * n).from_address(lo)
-                done = 0
-                while done < n:
-                    done += os.pwrite(fd, memoryview(data)[done:], lo - start + done)
-                _map_fixed(lo, n, fd, lo - start)
-                lo += n
+            work(lo, hi)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1]), daemon=True,
-                                name="taas-move") for i in range(1, parts)]
+    threads = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1]), daemon=True, name=name)
+               for i in range(1, len(bounds) - 1)]
     for thread in threads:
         thread.start()
     run(bounds[0], bounds[1])
     for thread in threads:
         thread.join()
     if errors:
-        raise errors[0] if isinstance(errors[0], OSError) else OSError(str(errors[0]))
+        raise errors[0]
 
 
 _libc = None
