@@ -80,6 +80,9 @@ def cluster():
     # Token authentication, as a production cluster has it (and never the user's ~/.ray token).
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(write_auth_token(temp))
+    # TMPDIR: what taas's agents keep in the node's temporary directory (job directories, their
+    # watchers' records) stays in ours, removed with it even when the namespace is killed at once.
+    env["TMPDIR"] = temp
     proc = subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child",
                              sys.executable, "-c", INIT, temp],
                             start_new_session=True, stdin=subprocess.DEVNULL, env=env)
@@ -114,7 +117,8 @@ def driver_env(temp: str) -> dict:
     a token-authenticated cluster has), no other RAY_ settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=os.path.join(temp, "auth_token"))
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=os.path.join(temp, "auth_token"),
+               TMPDIR=temp)
     return env
 
 
