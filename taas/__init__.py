@@ -86,7 +86,7 @@ def unload_ipython_extension(ipython) -> None:
     session = _loaded.pop("session")
     try:
         ipython.events.unregister("post_run_cell", session.after_cell)
-    except ValueError:  # not registered (loaded by an older version of this function)
+    except ValueError:  # someone removed the hook already: nothing left to undo
         pass
     session.close()
     _loaded.clear()

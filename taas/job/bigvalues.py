@@ -70,7 +70,9 @@ class BigValues:
         self.job_id, self.directory, self.threshold = job_id, directory, threshold
         # The kernel's moved storages (see above); None: every storage is copied per job.
         self.resident = resident
-        self._maps = None  # /proc/self/maps, read once per job (again after a move)
+        # /proc/self/maps, read once per job: a move changes only its own range's lines, and
+        # a range being moved is found by ResidentMemory without them.
+        self._maps = None
         # Named files in ``directory`` reach only processes on this machine: a job on a
         # cluster (files=False) sends resident storages by descriptor and pickles the rest.
         self.files = files
@@ -150,7 +152,6 @@ class BigValues:
             moved = self.resident.moved
             got = self.resident.share(untyped.data_ptr(), untyped.nbytes(), self._room, self._maps)
             if self.resident.moved != moved:
-                self._maps = None  # the move changed the mappings
                 self._free -= self.resident.moved - moved
                 self.written += self.resident.moved - moved
                 log.debug("tensor storage of %s moving to shared memory for good", _mib(untyped.nbytes()))
