@@ -1,4 +1,4 @@
-"""The simulated Ray cluster the multi-machine tests use (tests/cluster.py): its cost.
+"""The simulated Ray cluster the multi-machine tests use (tests/support/cluster.py): its cost.
 
     python benchmarks/cluster.py [--repeat 3] [--idle 10]     (as root, from the repo root)
 
@@ -21,7 +21,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.cluster import SimulatedCluster, missing_requirements  # noqa: E402
+from tests.support.cluster import SimulatedCluster, missing_requirements  # noqa: E402
 
 DRIVER = ("import ray; ray.init(address='127.0.0.1:6379', log_to_driver=False); "
           "print(len(ray.nodes()))")

@@ -5,7 +5,7 @@
 The same 4 MiB float32 batches (a pool of 16 distinct ones, cycled) move from a producer process
 to a consumer, three ways, in one run:
 
-1. taas: a loader-worker process sends them through :mod:`taas.data.tcp_transport` (its stream
+1. taas: a loader-worker process sends them through :mod:`taas.data.tcp.transport` (its stream
    to a relay process, which puts them into the rank's shared-memory ring); this process reads
    them as a rank does (the receiver of the rank's view).
 2. bare TCP: a process writes the same bytes to a plain socket on the same loopback; this
@@ -56,7 +56,7 @@ def rate(stamps: list[float]) -> float:
 def run_taas(batches: int) -> float:
     import torch
 
-    from taas.data.tcp_transport import TcpTransport
+    from taas.data.tcp.transport import TcpTransport
     from taas.data.transport import BLOCKED, DONE, LOADING, attach, resolve
 
     job_id = "bench" + uuid.uuid4().hex[:8]
@@ -180,7 +180,7 @@ def run_ray(batches: int, rounds: int) -> list[float]:
         raise SystemExit("the Ray comparison needs root (a private network namespace); use --no-ray")
     import tempfile
 
-    from tests.cluster import write_auth_token
+    from tests.support.cluster import write_auth_token
 
     token_dir = tempfile.mkdtemp(prefix="taas-bench-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}

@@ -2,7 +2,7 @@
 
     python benchmarks/cluster_launch.py [--repeat 5]      (as root, from the repo root)
 
-Starts the simulated cluster of the tests (tests/cluster.py: a head, two "GPU" nodes with 2
+Starts the simulated cluster of the tests (tests/support/cluster.py: a head, two "GPU" nodes with 2
 GPUs each, a CPU node, in a private network and PID namespace) and runs a driver inside it that
 measures, side by side in one run:
 
@@ -27,12 +27,12 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.cluster import SimulatedCluster, missing_requirements  # noqa: E402
+from tests.support.cluster import SimulatedCluster, missing_requirements  # noqa: E402
 
 DRIVER = r'''
 import json, sys, tempfile, time
 from taas.directive import JobOptions
-from taas.launch.ray_launcher import RayLauncher
+from taas.launch.ray.launcher import RayLauncher
 from taas.session import Session
 
 address, repeat = sys.argv[1], int(sys.argv[2])

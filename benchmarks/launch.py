@@ -323,7 +323,7 @@ class NbdKernel:
     def __init__(self, cwd: str, ranks: int):
         import torch.distributed as dist
 
-        from tests.kernel_driver import OFFLINE, Kernel, wait_for
+        from tests.support.kernel_driver import OFFLINE, Kernel, wait_for
 
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
@@ -417,7 +417,7 @@ def run_kernels(ranks: int, repeat: int) -> None:
     """The trivial cell through real kernels, rounds interleaved: taas's warm cell (fresh
     ranks each time) and nbdistributed's cell on its persistent workers, each THINK_TIME after
     the one before, after one untimed warm-up cell each."""
-    from tests.kernel_driver import OFFLINE, Kernel
+    from tests.support.kernel_driver import OFFLINE, Kernel
 
     try:
         from importlib.metadata import version

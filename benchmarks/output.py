@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,20,40", help="MB of text per run (default 10,20,40)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    from tests.kernel_driver import Kernel
+    from tests.support.kernel_driver import Kernel
 
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as cwd:

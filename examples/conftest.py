@@ -1,8 +1,8 @@
 """nbval over examples/: the notebooks that need a Ray cluster are skipped here.
 
 ``pytest --nbval examples`` starts each notebook's kernel on this machine, where no cluster is
-reachable.  tests/test_example_cluster_kernel.py runs them instead, in a kernel inside the
-simulated cluster (tests/cluster.py), and compares their outputs the way nbval does.  Their
+reachable.  tests/cluster/test_example_kernel.py runs them instead, in a kernel inside the
+simulated cluster (tests/support/cluster.py), and compares their outputs the way nbval does.  Their
 cells are skipped rather than left uncollected, so the report says where they are checked.
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 CLUSTER_NOTEBOOKS = {"cluster.ipynb"}
 
-_SKIP = pytest.mark.skip(reason="needs a Ray cluster: checked by tests/test_example_cluster_kernel.py "
+_SKIP = pytest.mark.skip(reason="needs a Ray cluster: checked by tests/cluster/test_example_kernel.py "
                                 "inside the simulated cluster")
 
 

@@ -10,7 +10,7 @@ In a notebook::
 ``import taas`` works in any Python process and imports neither torch nor IPython; IPython is
 only touched here (the extension hook, and finding a running shell's names without importing
 it) and in :mod:`taas.magics`.  The layers below receive what they need from the notebook as
-plain values and callables (see ``tests/test_layers.py`` for the order of the layers).
+plain values and callables (see ``tests/project/test_layers.py`` for the order of the layers).
 
 ``logging.getLogger("taas")`` carries a debug trail of what a job did; it has a NullHandler,
 so nothing is printed unless the user adds a handler and lowers its level.

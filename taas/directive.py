@@ -42,7 +42,7 @@ class JobOptions:
     show: tuple[int, ...] | None = None  # ranks whose output streams live; None = all
     results: bool = True  # return rank 0's new names / last expression to the notebook
     config: str | None = None  # DataSphere '#!NAME' configuration (shown, otherwise ignored)
-    storage: str = "layer"  # what ranks > 0 may write: layer | strict | shared (taas.worker.storage)
+    storage: str = "layer"  # what ranks > 0 may write: layer | strict | shared (taas.workdir.storage)
     stall: float = 60.0  # seconds without output before the ranks' places are shown; 0 = never
     max_restarts: int = 0  # times a failed job starts again (torchrun's --max-restarts)
     cluster: str | None = None  # Ray cluster address for this cell; "local" = this machine

@@ -30,7 +30,7 @@ _BEFORE_LAUNCH = (DirectiveError, PackagingError, RegistrationError, LaunchError
 def choose_display_formatter() -> None:
     """Rank 0 formats what a cell ``display()``s with IPython's DisplayFormatter, as the
     notebook itself would.  It travels by name (imported in the rank on first use), so the
-    rank runtime never names IPython (see :mod:`taas.worker.display`)."""
+    rank runtime never names IPython (see :mod:`taas.rank.display`)."""
     package.set_display_formatter(f"{DisplayFormatter.__module__}:{DisplayFormatter.__qualname__}")
 
 
@@ -147,7 +147,7 @@ _CLUSTER_USAGE = ("%taas cluster takes one address (what ray.init(address=...) t
 
 def _cluster_words(words: list[str]) -> tuple[str | None, dict]:
     """``%taas cluster``'s words: the address (or None) and the working directory's settings."""
-    from taas.launch import workdir_sync
+    from taas.workdir import sync as workdir_sync
 
     address, settings = None, {}
     words = [part for word in words for part in (word.split("=", 1) if word.startswith("--") else [word])]

@@ -3,7 +3,7 @@
     options ──resolve──> World (ranks, device, backend)
     cell ──analyse──> free names ──select+ship──> Payload            (fails before launch)
     registered loaders the cell reads ──> DataPlane
-    Job(payload, world, policy, data) ──> Supervisor(launcher).run()  (taas.supervisor: states,
+    Job(payload, world, policy, data) ──> Supervisor(launcher).run()  (taas.supervisor.supervisor: states,
                                                                       output, failure, restarts)
     rank 0's results ──> names and Out[] for the notebook
 
@@ -13,6 +13,7 @@ and scripts call it directly with a plain dict as the namespace.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -23,16 +24,17 @@ from dataclasses import dataclass, field
 
 from taas import directive
 from taas.errors import CellSyntaxError, LaunchError
-from taas.io import failure
+from taas.io import failure, keys
 from taas.io.output import Sink, TerminalSink
 from taas.job import analysis, crossing, package
 from taas.job.api import Job, Policy, World
-from taas.job.bigvalues import BigValues
-from taas.job.resident import ResidentMemory
-from taas.launch.local import LocalLauncher
+from taas.job.memory.bigvalues import BigValues
+from taas.job.memory.resident import ResidentMemory
+from taas.launch.api import Topology, cuda_device_count
+from taas.launch.local.launcher import LocalLauncher
 from taas.shield import import_shielded
-from taas.supervisor import Supervisor
-from taas.worker import comm
+from taas.supervisor.supervisor import Supervisor
+from taas.rank import comm
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class JobStats:
     device: str
     backend: str
     wall_s: float = 0.0
-    outcome: str = "preparing"  # the supervisor's state (taas.supervisor.State), then ok/failed/...
+    outcome: str = "preparing"  # the supervisor's state (taas.supervisor.supervisor.State), then ok/failed/...
     exit_codes: dict = field(default_factory=dict)
     loaders: list[str] = field(default_factory=list)
     config: str | None = None  # DataSphere '#!NAME' configuration line, if the cell had one
@@ -62,12 +64,17 @@ class JobStats:
     cluster: str | None = None  # the Ray cluster's address, None on this machine
 
 
-def cuda_device_count() -> int:
-    # An interrupt must not cut the kernel's first `import torch` in half (see taas.shield).
-    import_shielded("torch", "torch.distributed")
-    import torch
+def transport_for(topology: Topology):
+    """The data plane's transport where ``topology`` puts the ranks: shared memory when every
+    process runs on the kernel's machine, else TCP streams into a relay per node."""
+    if topology.kernel_machine:
+        from taas.data.shm.transport import ShmTransport
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return ShmTransport
+    from taas.data.tcp.transport import TcpTransport
+
+    return functools.partial(TcpTransport, host=topology.host, ranks_per_node=topology.rank_nodes,
+                             node_ids=topology.node_ids)
 
 
 class Session:
@@ -78,12 +85,12 @@ class Session:
         self.cluster: str | None = None
         self._cluster_launcher = None  # the RayLauncher of the cluster used last
         # ``%taas cluster ... --workdir MODE --workdir-limit SIZE``: how the notebook's working
-        # directory reaches cluster nodes (taas.launch.workdir_sync); None limit: the default.
+        # directory reaches cluster nodes (taas.workdir.sync); None limit: the default.
         self.workdir = "auto"
         self.workdir_limit: int | None = None
         self.last: JobStats | None = None
         # Big tensor storages moved to shared memory in place, for every later job to map
-        # (taas.job.resident); their files are closed once the notebook frees them.
+        # (taas.job.memory.resident); their files are closed once the notebook frees them.
         self.resident = ResidentMemory()
         self.job_ids: list[str] = []  # every job this session ran, oldest first
         # One job at a time per kernel (a cell may run one from a thread): the launcher's
@@ -126,7 +133,7 @@ class Session:
             return self.launcher
         current = self._cluster_launcher
         if current is None or current.address != address:
-            from taas.launch.ray_launcher import RayLauncher
+            from taas.launch.ray.launcher import RayLauncher
 
             if current is not None:
                 current.shutdown()
@@ -216,9 +223,10 @@ class Session:
             world=World(world, device, backend),
             policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
                           stall=options.stall, storage=options.storage,
-                          show=None if options.show is None else frozenset(f"rank{r}" for r in options.show),
+                          show=None if options.show is None else frozenset(keys.rank_key(r) for r in options.show),
                           results=options.results),
-            data=plane, env=_process_env(world), shared_fds=tuple(big.fds),  # resident big tensors
+            data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
+            env=_process_env(world), shared_fds=tuple(big.fds),  # resident big tensors
             cleanups=tuple(big.cleanups()),
         )
         stats = self.last = JobStats(job_id, world, device, backend,
@@ -272,14 +280,14 @@ def launcher_from_env():
 
 def _process_env(world: int) -> dict[str, str]:
     """What every process of a job gets besides the launcher's rendezvous variables."""
-    env = {"MPLBACKEND": "module://taas.worker.mpl_backend", "PYTHONUNBUFFERED": "1"}
+    env = {"MPLBACKEND": "module://taas.rank.mpl_backend", "PYTHONUNBUFFERED": "1"}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     return env
 
 
 def _results(raw_bytes: bytes | None, options) -> CellResult:
-    """Rank 0's results (taas.worker.rank) as names, Out[] and notes for the notebook."""
+    """Rank 0's results (taas.rank.main) as names, Out[] and notes for the notebook."""
     result = CellResult()
     if not options.results or raw_bytes is None:
         return result  # rank 0 ended early (sys.exit(0)): nothing to bring back

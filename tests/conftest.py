@@ -3,9 +3,9 @@
 import psutil
 import pytest
 
-from tests.cluster import SimulatedCluster, missing_requirements
+from tests.support.cluster import SimulatedCluster, missing_requirements
 
-from tests.kernel_driver import (Kernel, cmdline, listening_ports, process_name, shm_entries,
+from tests.support.kernel_driver import (Kernel, cmdline, listening_ports, process_name, shm_entries,
                                  unmapped_shm, wait_for, wait_until_gone)
 
 
@@ -28,7 +28,7 @@ def kernel(request, workdir):
 @pytest.fixture
 def clean(kernel):
     """After the test's job: no process but the warm start process, its guard (the kernel's
-    child, see taas.launch.starter.main) and the idle children it forked ahead for the next
+    child, see taas.launch.local.starter.main) and the idle children it forked ahead for the next
     job; no leaked /dev/shm entry, no new listening port.
 
     Uses the ``kernel`` fixture of the requesting test module."""
@@ -36,7 +36,7 @@ def clean(kernel):
     pids = {kernel.pid} | {p.pid for p in kernel.descendants()}
     ports_before = listening_ports(pids)
     yield
-    extra = [p for p in kernel.descendants() if "taas.launch.starter" not in " ".join(cmdline(p))]
+    extra = [p for p in kernel.descendants() if "taas.launch.local.starter" not in " ".join(cmdline(p))]
     assert wait_until_gone([p.pid for p in extra]) == [], [cmdline(p) for p in extra]
     guards = [p for p in kernel.descendants() if p not in extra and p.ppid() == kernel.pid]
     assert len(guards) <= 1
@@ -73,7 +73,7 @@ def _job_ids(kernel):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One simulated Ray cluster (tests/cluster.py: a head, 2 "GPU" nodes, 1 CPU node, in a
+    """One simulated Ray cluster (tests/support/cluster.py: a head, 2 "GPU" nodes, 1 CPU node, in a
     private network and PID namespace) for the whole session: it takes 10-45 s to start.
     Skipped where it cannot run (not root, no unshare/nsenter/ip, no ray).  Tests must leave
     it as they found it (no placement groups or actors left behind)."""

@@ -25,6 +25,7 @@ from taas.data import plan as numbering
 from taas.data import registry
 from taas.data.transport import LOADING, Transport, resolve
 from taas.errors import JobFailed, PackagingError
+from taas.io import keys
 from taas.launch.api import ProcessSpec
 
 DEFAULT_BUFFER_MB = 256
@@ -134,7 +135,8 @@ class DataPlane:
         for item in self.loaders:
             for worker in range(item.plan.workers):
                 out.append(ProcessSpec(
-                    key=f"loader:{item.name}:{worker}", entry="taas.data.worker:main",
+                    key=keys.loader_key(item.name, worker), role=keys.LOADER,
+                    entry="taas.data.loader_worker:main",
                     env=dict(env, OMP_NUM_THREADS="1"), storage=storage,
                     args=(dict(item.cfg, worker=worker),),
                 ))

@@ -1,7 +1,7 @@
 """How units travel from a loader worker to a rank: the transport contract, and the unit codec.
 
-A *transport* moves one job's units and keeps its control state.  The launcher picks it
-(``Launcher.data_transport()``), so a cross-machine transport can replace shared memory without
+A *transport* moves one job's units and keeps its control state.  The session picks it
+(``taas.session.transport_for`` reads the launcher's ``topology()``), so a cross-machine transport can replace shared memory without
 views, workers or plans changing.  Three sides::
 
     kernel (plane.py), one per job           Transport(job_id)
@@ -31,16 +31,16 @@ A channel is a bounded FIFO of records in unit order::
     Sender.end_pass(pass_index, end_unit)      Receiver.close()   (the producer stops sending)
     Sender.close()
 
-On one machine :mod:`taas.data.shm_transport` implements it (a ring of pooled shared-memory
-blocks per pair, :mod:`taas.data.shm`; control words in a header segment per loader,
-:mod:`taas.data.segment`).  Across machines :mod:`taas.data.tcp_transport` does: one TCP
+On one machine :mod:`taas.data.shm.transport` implements it (a ring of pooled shared-memory
+blocks per pair, :mod:`taas.data.shm.ring`; control words in a header segment per loader,
+:mod:`taas.data.shm.segment`).  Across machines :mod:`taas.data.tcp.transport` does: one TCP
 stream per (loader worker, GPU node) into a relay that fills that node's shared-memory rings.
 
 The codec keeps tensors out of pickle: :func:`encode` pickles a unit's structure (tuples,
 lists, dicts, namedtuples, dataclasses, strings, numbers, ...) with cloudpickle, replacing each
 CPU tensor by a persistent id that says where its bytes go; contiguous numpy arrays travel as
 pickle-5 out-of-band buffers the same way.  How the bytes travel is the transport's business
-(:mod:`taas.data.shm`: copied once, by the producer; the rank's tensors view them).
+(:mod:`taas.data.shm.ring`: copied once, by the producer; the rank's tensors view them).
 """
 
 from __future__ import annotations

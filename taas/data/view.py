@@ -21,7 +21,7 @@ import time
 
 from taas.data.plan import Plan, share
 from taas.data.transport import PASS_END, attach
-from taas.worker import events
+from taas.launch.process import events
 
 _views: list["LoaderView"] = []
 _by_name: dict[str, "LoaderView"] = {}

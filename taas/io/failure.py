@@ -8,7 +8,7 @@ with code 0 (``sys.exit(0)``, ``os._exit(0)``, the end of the cell) while the ot
 still running -- in a collective it never joined.  Every other process gets one line
 ("rank0: stopped after rank1 failed").
 
-Rendering is pure: frames come from the report files (:mod:`taas.worker.report`), source lines
+Rendering is pure: frames come from the report files (:mod:`taas.launch.process.report`), source lines
 from the kernel's linecache when the rank did not have them (functions defined in other
 notebook cells), and ``name_for(filename)`` turns a cell's file name into ``Cell In[3]``.
 """
@@ -20,6 +20,8 @@ import re
 import signal
 from dataclasses import dataclass
 from typing import Callable
+
+from taas.io import keys
 
 RED, BOLD, RESET = "\x1b[31m", "\x1b[1m", "\x1b[0m"
 
@@ -43,7 +45,7 @@ class ProcessEnd:
     def left(self) -> bool:
         """A rank that ended by itself with code 0 (finished, or sys.exit(0) / os._exit(0)).
         (A loader worker that is done exits 0 before the ranks: that is no cause.)"""
-        return self.key.startswith("rank") and self.returncode == 0 and not self.failed
+        return keys.is_rank(self.key) and self.returncode == 0 and not self.failed
 
     @property
     def failed_at(self) -> float:
@@ -90,7 +92,7 @@ def root_cause(ends: list[ProcessEnd]) -> ProcessEnd | None:
 
 def left_early(ends: list[ProcessEnd]) -> ProcessEnd | None:
     """The first process that left (code 0) while others were still running, if one did."""
-    running = [e for e in ends if not e.left and e.key.startswith("rank")]
+    running = [e for e in ends if not e.left and keys.is_rank(e.key)]
     left = [e for e in ends if e.left and any(e.failed_at < r.failed_at for r in running)]
     return min(left, key=lambda e: e.failed_at) if left else None
 
@@ -175,5 +177,4 @@ def _frame(frame: dict, name_for: Callable[[str], str] | None) -> str:
 
 
 def _order(key: str):
-    digits = "".join(ch for ch in key if ch.isdigit())
-    return (not key.startswith("rank"), key.rstrip("0123456789"), int(digits) if digits else 0)
+    return keys.order(key)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from taas.io import failure
+from taas.io import keys as names
 
 NO_ANSWER = "no answer"
 
@@ -35,7 +36,7 @@ class Place:
 
     @classmethod
     def from_event(cls, key: str, message: dict) -> "Place":
-        """From a rank's ``stack`` event (see :mod:`taas.worker.stacks`)."""
+        """From a rank's ``stack`` event (see :mod:`taas.launch.process.stacks`)."""
         return cls(key, message.get("line"), message.get("call") or "", message.get("frames") or [])
 
     @property
@@ -52,9 +53,9 @@ class Place:
 
 def label(keys: list[str]) -> str:
     """``rank0,2,3`` for ranks; other keys joined by commas."""
-    ranks = [k for k in keys if k.startswith("rank") and k[4:].isdigit()]
-    if ranks and len(ranks) == len(keys):
-        return "rank" + ",".join(k[4:] for k in ranks)
+    ranks = [names.rank_of(k) for k in keys]
+    if keys and None not in ranks:
+        return "rank" + ",".join(str(r) for r in ranks)
     return ",".join(keys)
 
 

@@ -1,7 +1,7 @@
 """A job as a value: what runs, where, and the policy it runs under.
 
 The session builds a :class:`Job` from a cell (:mod:`taas.session`); the supervisor
-(:mod:`taas.supervisor`) runs it through its states on a launcher.  Nothing here knows about
+(:mod:`taas.supervisor.supervisor`) runs it through its states on a launcher.  Nothing here knows about
 processes, IPython or the machine.
 
     Job
@@ -40,6 +40,7 @@ class Job:
     world: World
     policy: Policy
     data: object = None  # taas.data.plane.DataPlane or None: registered loaders the cell reads
+    transport: object = None  # with data: (attempt_id) -> taas.data.transport.Transport, the session's pick
     env: dict = field(default_factory=dict)  # added to every process's environment
     shared_fds: tuple[int, ...] = ()  # read-only files every process gets (big values)
     cleanups: tuple = ()  # hooks that free the job's files if the kernel dies (LaunchSpec.cleanups)

@@ -7,7 +7,7 @@ A value that cannot be pickled fails the cell here, before launch, naming the va
 type and -- when it hides behind a function -- the path to it (``train -> sock``).
 
 Unreferenced notebook values are never touched.  Big tensors and arrays do not go into the
-pickle bytes: :mod:`taas.job.bigvalues` writes them once to shared memory for the ranks to map.
+pickle bytes: :mod:`taas.job.memory.bigvalues` writes them once to shared memory for the ranks to map.
 IPython's ``exit``, ``quit`` and ``get_ipython``, and library objects that hold the kernel's
 distributed state, cross as :mod:`taas.job.crossing` says.
 """
@@ -25,7 +25,7 @@ from typing import Callable
 
 from taas.errors import PackagingError
 from taas.job import crossing
-from taas.job.bigvalues import BigValues
+from taas.job.memory.bigvalues import BigValues
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | fr
 
 class _Pickler(crossing.Pickler):
     """The pickler to the ranks: :mod:`taas.job.crossing`'s registry, and big arrays through
-    shared memory (see :mod:`taas.job.bigvalues`).
+    shared memory (see :mod:`taas.job.memory.bigvalues`).
 
     reducer_override, not persistent_id: pickle calls it only for objects that are not ints,
     strings or builtin containers, so values made of many small objects pay nothing for it."""

@@ -17,10 +17,11 @@ everything about *where*:
   brings back what a process left for the kernel (its failure report, fault dump, rank 0's
   results) through :meth:`JobHandle.fetch` -- the caller never shares a directory with the
   processes;
-- **the data plane's transport** (:meth:`Launcher.data_transport`) and the clean-up of its
-  resources (:attr:`LaunchSpec.cleanups`).
+- **topology** (:meth:`Launcher.topology`): a plain value saying which node each rank will
+  run on, from which the session picks the data plane's transport; and the clean-up of the
+  transport's resources (:attr:`LaunchSpec.cleanups`).
 
-The caller (:mod:`taas.supervisor`) sees only this module: no pids, fork, process groups,
+The caller (:mod:`taas.supervisor.supervisor`) sees only this module: no pids, fork, process groups,
 loopback or shared filesystem.
 
 The process side of the contract: a process runs ``entry(spec)`` with ``spec`` its
@@ -29,7 +30,7 @@ with ``TAAS_JOB_DIR`` naming *its* directory: the launcher has put the job's fil
 the process starts and collects the files named in :data:`REPORT_FILES` from it after the
 process ends (whether the directory is shared by the job's processes is the launcher's
 business: write only your own names).  ``TAAS_EVENTS_FD`` is a pipe for JSON event lines
-(:mod:`taas.worker.events`); stdout and stderr stream to the kernel.
+(:mod:`taas.launch.process.events`); stdout and stderr stream to the kernel.
 
 Life of a process, as the handle reports it::
 
@@ -38,7 +39,7 @@ Life of a process, as the handle reports it::
                                                                 <0: killed by signal -code
     spawned --stop()--> SIGTERM to everything it started --grace--> SIGKILL --> ProcessExit
 
-The local launcher (:mod:`taas.launch.local`) forks processes from a warm start process; a
+The local launcher (:mod:`taas.launch.local.launcher`) forks processes from a warm start process; a
 multi-node launcher implements the same contract.
 """
 
@@ -53,7 +54,7 @@ RESULT = "result.pkl"  # rank 0's results
 
 
 def error_name(key: str) -> str:
-    """A process's failure report (JSON, :mod:`taas.worker.report`)."""
+    """A process's failure report (JSON, :mod:`taas.launch.process.report`)."""
     return f"{key}.error.json"
 
 
@@ -70,9 +71,11 @@ class ProcessSpec:
     with the integer it returns.  ``env`` is added to the child's environment (the launcher
     adds the rendezvous variables to a rank's).  ``rank`` is the process's global rank, or None
     for a process that is not a rank (a loader worker).  ``storage`` is what the process may do
-    to the working directory (:mod:`taas.worker.storage`): ``"shared"`` write it (rank 0),
+    to the working directory (:mod:`taas.workdir.storage`): ``"shared"`` write it (rank 0),
     ``"layer"`` write a private layer of it that is merged back after the job, ``"strict"``
-    only read it.
+    only read it.  ``role`` is what the process is (:data:`taas.io.keys.RANK`, ``LOADER``,
+    ``RELAY``); ``node`` pins it to that node of the job's :class:`Topology` (a transport's
+    relay), or None to let the launcher place it.  The ``key`` is only its name.
     """
 
     key: str
@@ -81,6 +84,28 @@ class ProcessSpec:
     storage: str = "shared"  # shared | layer | strict
     args: tuple = ()
     rank: int | None = None
+    role: str = "rank"  # rank | loader | relay
+    node: int | None = None
+
+
+def attempt_id(job_id: str, restart: int) -> str:
+    """The id of attempt ``restart`` of job ``job_id``: what names its processes' resources."""
+    return job_id if restart == 0 else f"{job_id}-{restart}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a job's ranks will run, as a plain value (:meth:`Launcher.topology`).
+
+    ``rank_nodes[r]``: the node number rank r runs on; ``node_ids[n]``: node n's launcher id
+    (``TAAS_NODE_ID``).  ``host``: the kernel's address as the nodes reach it.
+    ``kernel_machine``: every process of the job runs on the kernel's machine, so shared memory
+    reaches them all (the session then picks the shared-memory transport, else TCP)."""
+
+    rank_nodes: tuple[int, ...]
+    node_ids: tuple[str, ...] = ("local",)
+    host: str = "127.0.0.1"
+    kernel_machine: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,7 +127,7 @@ class LaunchSpec:
     kernel frees the same things itself when it can, and its errors are ignored.
 
     ``placed``: the rendezvous was decided elsewhere.  A multi-node launcher
-    (:mod:`taas.launch.ray_launcher`) hands each node's share of a job to that node's local
+    (:mod:`taas.launch.ray.launcher`) hands each node's share of a job to that node's local
     launcher with every rank's ``env`` already carrying torchrun's variables (``RANK``,
     ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a store it hosts...)
     and the socket interface to use; the local launcher then hosts no store, keeps those
@@ -123,6 +148,10 @@ class LaunchSpec:
     @property
     def world_size(self) -> int:
         return sum(1 for p in self.processes if p.rank is not None)
+
+    @property
+    def attempt(self) -> str:
+        return attempt_id(self.job_id, self.restart)
 
 
 @dataclass(frozen=True)
@@ -177,7 +206,7 @@ class JobHandle(abc.ABC):
     @abc.abstractmethod
     def request_stacks(self, keys: Iterable[str]) -> list[str]:
         """Ask each running process in ``keys`` for its Python stack (the answer arrives as a
-        ``"stack"`` event line, :mod:`taas.worker.stacks`); returns the keys that were asked."""
+        ``"stack"`` event line, :mod:`taas.launch.process.stacks`); returns the keys that were asked."""
 
     @abc.abstractmethod
     def layers(self) -> list[tuple[str, str]]:
@@ -209,13 +238,7 @@ class Launcher(abc.ABC):
         :func:`taas.directive.resolve_world` decides device and backend with): by default this
         machine's.  A cluster launcher counts the GPUs of its nodes that its ranks see as CUDA
         devices (0 on a cluster that only advertises GPUs: the ranks run gloo on CPU)."""
-        from taas.shield import import_shielded
-
-        # An interrupt must not cut the kernel's first `import torch` in half (taas.shield).
-        import_shielded("torch", "torch.distributed")
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cuda_device_count()
 
     def describe(self) -> list[str]:
         """Lines for ``%taas``: where jobs run (a cluster lists its nodes, GPUs, CPUs)."""
@@ -232,15 +255,22 @@ class Launcher(abc.ABC):
     def shutdown(self) -> None:
         """Stop any running job and release warm state."""
 
-    def data_transport(self, world: int = 0):
-        """The data plane's transport for the next job of this launcher, of ``world`` ranks: a
-        :class:`taas.data.transport.Transport` subclass, or any callable ``(job_id) -> Transport``
-        (a ``functools.partial`` of one).  How units reach ranks where this launcher puts them.
+    @abc.abstractmethod
+    def topology(self, world: int) -> Topology:
+        """Where the next job's ``world`` ranks will run.  The session asks *before*
+        :meth:`start` (it picks the data plane's transport from it and puts the loaders'
+        settings into the job's payload), so a multi-node launcher plans the ranks' placement
+        here and its :meth:`start` places them the same way, or raises LaunchError if the
+        cluster changed in between.  A transport's own processes (``role="relay"``) name the
+        node they go on (``ProcessSpec.node``, numbered as in the topology)."""
 
-        The supervisor calls it *before* :meth:`start` (the loaders' settings go into the
-        job's payload), so a multi-node launcher plans the ranks' placement for ``world`` here
-        and hands the transport the rank -> node mapping; its :meth:`start` then places the
-        ranks the same way, or raises LaunchError if the cluster changed in between.  The
-        transport's own processes (``ProcessSpec`` keys ``data-relay:<node>``, node numbered
-        as in that mapping) go on that node."""
-        raise NotImplementedError(f"{type(self).__name__} has no data transport")
+
+def cuda_device_count() -> int:
+    """This machine's CUDA devices (the one place taas counts them)."""
+    from taas.shield import import_shielded
+
+    # An interrupt must not cut the kernel's first `import torch` in half (taas.shield).
+    import_shielded("torch", "torch.distributed")
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

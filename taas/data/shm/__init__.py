@@ -1,0 +1,1 @@
+"""The one-machine data transport: shared-memory rings."""

@@ -1,0 +1,1 @@
+"""The cross-machine data transport: TCP streams into per-node relays."""

@@ -1,0 +1,1 @@
+"""Big notebook values: resident tensors moved to shared memory, sent by descriptor."""

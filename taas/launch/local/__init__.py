@@ -1,0 +1,1 @@
+"""The local launcher: a warm start process forks a job's processes on this machine."""

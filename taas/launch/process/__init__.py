@@ -1,0 +1,1 @@
+"""What a launched process may use: events, reports, stacks."""

@@ -1,0 +1,288 @@
+"""One node's agent for the Ray launcher: the local launcher, kept warm, driven by actor calls.
+
+:class:`NodeAgent` is a plain class; :mod:`taas.launch.ray.launcher` makes it a Ray actor, one
+per node (pinned with ``NodeAffinitySchedulingStrategy``, ``num_cpus=0``, owned by the
+kernel's Ray connection, so it dies with it).  It wraps a :class:`~taas.launch.local.launcher.LocalLauncher`:
+its warm start process, fork-ahead, pipes, process groups, parent-death signals and subreaper
+work on every node as on one machine.  Ranks are children of that start process, never Ray
+workers; the start process's guard has the agent as its "kernel", so a dead agent takes its
+node's processes along.
+
+Calls come from the kernel concurrently (a threaded actor): one long-poll :meth:`events` at a
+time, and :meth:`stop`, :meth:`fetch`, :meth:`request_stacks` meanwhile.  The local job handle
+is not thread-safe, so :meth:`events` reads it in 50 ms slices under a lock, and a stop waits
+at most one slice.
+
+Node 0's agent also hosts the attempt's rendezvous store (:meth:`host_store`), on its node's
+address, port 0: torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` arrangement across nodes.
+
+A node that does not share the kernel's filesystem keeps a copy of the notebook's working
+directory (:mod:`taas.workdir.sync`): ``<tmp>/taas-workdir-<agent pid>-XXXX/<name>``,
+updated before each job (:meth:`workdir_need`, :meth:`workdir_update`), read back after it
+(:meth:`workdir_changes`, :meth:`layer_entries`), removed at :meth:`shutdown` -- and by a
+detached watcher when the agent dies without one (:mod:`taas.launch.ray.node_watch`, which also runs
+the clean-up hooks of the job the agent ran: Ray kills an ended actor's children with it).
+
+Nothing here imports Ray: the class is tested as it is, on one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from taas.launch.local import jobdir
+from taas.launch.ray import node_watch
+from taas.launch import rendezvous
+from taas.workdir import sync as workdir_sync
+from taas.launch.api import LaunchSpec
+from taas.launch.local.launcher import LocalJob, LocalLauncher
+
+_SLICE = 0.05  # how long one read of the job's pipes holds the lock
+WATCH_EVERY = 0.5  # seconds between two looks at whether the kernel is still there
+# Seconds without any call from the kernel, while a job runs, after which it counts as gone when
+# nothing better says so (see NodeAgent._watch_kernel): long, because a busy kernel is slow.
+SILENT = 120.0
+
+log = logging.getLogger(__name__)
+
+
+def visible_cuda() -> int:
+    """CUDA devices a process started here would see, without importing torch or touching the
+    driver: NVIDIA device nodes, limited by ``CUDA_VISIBLE_DEVICES`` (a node that only
+    advertises GPUs to Ray -- a simulated cluster -- has none)."""
+    count = len(glob.glob("/dev/nvidia[0-9]*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def _import_torch() -> None:
+    """Warm the agent's own ``import torch`` (for the rendezvous store) in the background."""
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception:  # broad: a broken torch shows up, with its message, when the store starts
+        pass
+
+
+class NodeAgent:
+    def __init__(self, node_id: str, ip: str, kernel_gone: Callable[[], bool | None] | None = None):
+        # Every process taas starts on this node (the start process and all it forks) says
+        # which Ray node it runs on.
+        os.environ["TAAS_NODE_ID"] = node_id
+        self.node_id = node_id
+        self.ip = ip
+        self._ifname = rendezvous.ifname_for(ip)
+        self._launcher = LocalLauncher()
+        self._launcher.warm()  # the start process imports torch while the kernel gets ready
+        self._lock = threading.Lock()
+        self._job: LocalJob | None = None
+        self._stores: dict[str, object] = {}
+        self._copies: dict[str, tuple[str, dict]] = {}  # kernel's cwd -> (copy here, its manifest)
+        self._polled = time.monotonic()  # the kernel's last call
+        self._kernel_gone = kernel_gone or (lambda: None)
+        threading.Thread(target=_import_torch, name="taas-agent-torch", daemon=True).start()
+        threading.Thread(target=self._watch_kernel, name="taas-agent-watchdog", daemon=True).start()
+        node_watch.start(os.getpid())  # cleans up after us if Ray ends us (taas.launch.ray.node_watch)
+
+    def _watch_kernel(self) -> None:
+        """While a job runs here, end it as soon as the kernel is gone (killed, or its node
+        lost), rather than when Ray gets round to ending this actor, which can take many
+        seconds on a busy cluster.
+
+        Gone is an event, not a silence: ``kernel_gone()`` (given by the launcher: whether
+        the kernel's Ray driver has ended, which Ray records as soon as the driver's
+        connection closes) says so.  A slow kernel is never taken for a dead one: only when
+        ``kernel_gone`` cannot tell (None) does a silence of SILENT s count."""
+        while True:
+            time.sleep(WATCH_EVERY)
+            with self._lock:
+                job = self._job
+                if job is None or job.finished:
+                    continue
+            gone = self._kernel_gone()  # outside the lock: it may ask the cluster
+            if gone is None:
+                gone = time.monotonic() - self._polled > SILENT
+            if not gone:
+                continue
+            with self._lock:
+                if self._job is job:
+                    log.warning("the kernel is gone: ending its job on this node")
+                    self._job.close()
+                    self._job = None
+
+    def describe(self) -> dict:
+        return {"node_id": self.node_id, "ip": self.ip, "cuda": visible_cuda(), "pid": os.getpid()}
+
+    # -- the working directory, where this node does not share it ------------------------------
+    def sees(self, path: str, content: bytes) -> bool:
+        """Whether this node sees the kernel's marker file ``path`` with ``content``: it shares
+        the kernel's working directory."""
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(content) + 1) == content
+        except OSError:
+            return False
+
+    def workdir_need(self, cwd: str, manifest: dict) -> list[str]:
+        """The paths of the kernel's ``manifest`` of ``cwd`` that this node's copy lacks."""
+        self._polled = time.monotonic()  # the kernel is alive
+        held = self._copies.get(cwd, (None, {}))[1]
+        return workdir_sync.diff(held, manifest)[0]
+
+    def workdir_update(self, cwd: str, manifest: dict, entries: list) -> str:
+        """Bring this node's copy of ``cwd`` to ``manifest`` (``entries``: what it lacked);
+        returns the copy's path, where this node's processes start."""
+        import tempfile
+
+        self._polled = time.monotonic()
+        path, held = self._copies.get(cwd, (None, {}))
+        if path is None:
+            try:
+                top = tempfile.mkdtemp(prefix=f"{workdir_sync.COPY_PREFIX}{os.getpid()}-")
+            except OSError as exc:
+                raise jobdir.no_room("copy the working directory", exc) from None
+            path = os.path.join(top, os.path.basename(cwd.rstrip(os.sep)) or "workdir")
+            os.mkdir(path)
+        failed = workdir_sync.apply(path, entries, workdir_sync.diff(held, manifest)[1])
+        self._copies[cwd] = (path, workdir_sync.scan(path))
+        if failed:
+            from taas.errors import LaunchError
+
+            raise LaunchError(f"could not copy {len(failed)} path(s) of the working directory to "
+                              f"node {self.ip} (like {failed[0]!r}): is {os.path.dirname(path)} full?")
+        return path
+
+    def workdir_changes(self, cwd: str) -> tuple[list, list[str]]:
+        """What the job changed in this node's copy of ``cwd``: ``(entries, deleted paths)``."""
+        self._polled = time.monotonic()
+        path, held = self._copies.get(cwd, (None, {}))
+        if path is None:
+            return [], []
+        now = workdir_sync.scan(path)
+        changed, deleted = workdir_sync.diff(held, now)
+        self._copies[cwd] = (path, now)
+        return workdir_sync.pack(path, now, changed), deleted
+
+    def layer_entries(self) -> list[tuple[str, list]]:
+        """The job's ``--storage layer`` uppers as entries, for a kernel that cannot read them."""
+        self._polled = time.monotonic()
+        return [(name, workdir_sync.read_tree(upper)) for name, upper in self.layers()]
+
+    def _drop_copies(self) -> None:
+        for path, _ in self._copies.values():
+            jobdir.remove(os.path.dirname(path))
+        self._copies.clear()
+
+    # -- rendezvous -----------------------------------------------------------------------
+    def host_store(self, attempt: str, world: int) -> tuple[str, int]:
+        """A fresh TCPStore for ``attempt`` on this node's address, port 0: ``(ip, port)``."""
+        store, port = rendezvous.agent_store(world, host=self.ip)
+        self._stores[attempt] = store
+        return self.ip, port
+
+    def close_store(self, attempt: str) -> None:
+        self._stores.pop(attempt, None)  # its listening socket closes with it
+
+    # -- a job's share on this node ---------------------------------------------------------
+    def start(self, spec: LaunchSpec, files: dict, *shared: bytes) -> dict[str, int]:
+        """Start this node's processes of an attempt: ``spec`` without its files (``files``
+        come through the object store once for all nodes) and without the kernel's shared fds
+        (``shared``: their bytes, made into memory files here).  Returns key -> pid."""
+        fds = []
+        try:
+            for data in shared:
+                fd = os.memfd_create("taas-shared", os.MFD_CLOEXEC)
+                fds.append(fd)
+                _write_all(fd, data)
+                os.lseek(fd, 0, os.SEEK_SET)
+            procs = tuple(dataclasses.replace(p, env=self._env(p.env)) for p in spec.processes)
+            spec = dataclasses.replace(spec, processes=procs, files=files, shared_fds=tuple(fds),
+                                       placed=True)
+            self._polled = time.monotonic()  # the kernel polls from now on
+            with self._lock:
+                if self._job is not None:  # a previous attempt the kernel did not close
+                    self._job.close()
+                    self._job = None
+                self._job = self._launcher.start(spec)
+                # If Ray ends us before the job's own clean-up ran, our watcher runs it.
+                node_watch.record(spec.cleanups, self._job.job_dir)
+                # The kernel polls once this call returns: a long start (a fresh start
+                # process still importing torch) is no silence of the kernel's.
+                self._polled = time.monotonic()
+                return self._job.pids
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _env(self, env: dict) -> dict:
+        # TAAS_DATA_HOST: where a data relay on this node listens (loader workers reach it).
+        out = dict(env, TAAS_NODE_ID=self.node_id, TAAS_DATA_HOST=self.ip)
+        if self._ifname:  # the interface of the node's address, for gloo's and NCCL's sockets
+            out.setdefault("GLOO_SOCKET_IFNAME", self._ifname)
+            out.setdefault("NCCL_SOCKET_IFNAME", self._ifname)
+        return out
+
+    def events(self, timeout: float) -> tuple[list, bool]:
+        """Output and exits of this node's processes, waiting up to ``timeout`` s for the first
+        (a long poll); and whether the job is finished (every process exited, all read)."""
+        deadline = time.monotonic() + timeout
+        self._polled = time.monotonic()
+        while True:
+            with self._lock:
+                job = self._job
+                if job is None:
+                    return [], True
+                out = list(job.events(_SLICE))
+                finished = job.finished
+            if out or finished or time.monotonic() >= deadline:
+                return out, finished
+            time.sleep(0.001)  # let a waiting stop() take the lock
+
+    def stop(self, grace: float) -> None:
+        self._polled = time.monotonic()  # the kernel is alive
+        with self._lock:
+            if self._job is not None:
+                self._job.stop(grace)
+
+    def fetch(self, key: str, name: str) -> bytes | None:
+        self._polled = time.monotonic()  # the kernel is alive
+        job = self._job
+        return job.fetch(key, name) if job is not None else None
+
+    def request_stacks(self, keys: list[str]) -> list[str]:
+        self._polled = time.monotonic()  # the kernel is alive
+        job = self._job
+        return job.request_stacks(keys) if job is not None else []
+
+    def layers(self) -> list[tuple[str, str]]:
+        """Paths on this node; the kernel reads them only where nodes share the filesystem."""
+        self._polled = time.monotonic()  # the kernel is alive
+        job = self._job
+        return job.layers() if job is not None else []
+
+    def close(self) -> None:
+        with self._lock:
+            if self._job is not None:
+                self._job.close()
+                self._job = None
+
+    def shutdown(self) -> None:
+        self.close()
+        self._drop_copies()
+        self._stores.clear()
+        self._launcher.shutdown()
+        node_watch.clear()  # the job's own clean-up ran: nothing left for the watcher
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` writes at most ~2 GiB at a time."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -1,0 +1,384 @@
+"""One attempt of a job on a Ray cluster: the handle over its nodes' agents.
+
+:class:`RayJob` merges the agents' event streams -- one long-poll ``events()`` call outstanding
+per agent, ``ray.wait`` over them -- and routes ``stop``, ``fetch``, ``request_stacks`` and
+``layers`` to the agents of the processes' nodes.  An agent whose call fails (its process or
+its node died) becomes a :class:`~taas.launch.api.ProcessExit` of -9 for each of its processes
+that had not exited: they died with it.  Their failure reports (``fetch``) then say so, naming
+the node: the node holds no report of its own any more, and "killed by SIGKILL" alone would not
+tell the user that a whole machine's share of the job went.
+
+Nodes that do not share the notebook's working directory (``RayLauncher.copy_nodes``) get it
+copied before the attempt starts (:meth:`RayJob._ship`), and once its processes are stopped
+what the writers there changed comes back (:meth:`RayJob._bring_back`, before the layers are
+merged, so that rank 0's files count as written during the job), rank 0's node last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from taas.errors import LaunchError
+from taas.launch.ray import placement
+from taas.launch.api import Event, JobHandle, LaunchSpec, ProcessExit, error_name
+
+if TYPE_CHECKING:
+    from taas.launch.ray.launcher import RayLauncher
+
+log = logging.getLogger(__name__)
+
+_LONG_POLL = 1.0  # seconds an agent's events() call waits for something to report
+_CALL_TIMEOUT = 120.0  # an agent call that should be quick (a cold agent imports torch)
+
+
+def _message(exc: BaseException) -> str:
+    """The first line of what went wrong in an agent (a RayTaskError carries the cause)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return text[-1] if text else type(cause).__name__
+
+
+class RayJob(JobHandle):
+    """An attempt spread over agents: their events merged, stop/fetch/stacks routed by node."""
+
+    def __init__(self, launcher: "RayLauncher", ray, spec: LaunchSpec, attempt: str):
+        self._launcher = launcher
+        self._ray = ray
+        self._spec = spec
+        self._attempt = attempt
+        self._keys = [p.key for p in spec.processes]
+        self._node_of: dict[str, str] = {}
+        self._ip_of: dict[str, str] = {}  # node id -> its address, for messages
+        self._lost: dict[str, float] = {}  # node id -> when its agent was found dead
+        self._agents: dict[str, object] = {}  # node id -> agent, for this attempt's nodes
+        self._pids: dict[str, int] = {}
+        self._polls: dict[object, str] = {}  # outstanding events() call -> node id
+        self._finished: set[str] = set()
+        self._exited: set[str] = set()
+        self._pending: list[Event] = []
+        self._store_node: str | None = None
+        self._workdirs: dict[str, str] = {}  # node id -> its copy of the working directory
+        self._snapshot: dict[str, tuple] = {}  # the working directory's manifest they started from
+        self._brought = False
+        self._layer_root: str | None = None  # copy nodes' layers, fetched for the merge
+        self._stopped = False
+        self.closed = False
+
+    def _launch(self, plan: placement.Plan, nodes: dict[str, placement.Node]) -> None:
+        from taas.launch import rendezvous
+
+        ray, spec = self._ray, self._spec
+        if plan.by == "GPU":  # reserve the GPUs where the plan puts the ranks
+            self._launcher._reserve([{"GPU": 1, f"node:{nodes[n].ip}": 0.001} for n in plan.rank_nodes],
+                                    self._attempt)
+        ranks = iter(zip(plan.rank_nodes, plan.places))
+        workers = iter(plan.worker_nodes)
+        per_node: dict[str, list] = defaultdict(list)
+        world = sum(1 for p in spec.processes if p.rank is not None)
+        for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):
+            self._agents[node_id] = self._launcher._agent(nodes[node_id])
+            self._ip_of[node_id] = nodes[node_id].ip
+        copies = self._launcher.copy_nodes(list(self._agents), spec.cwd)
+        if copies:
+            self._ship(sorted(copies), nodes)
+        if world:
+            self._store_node = plan.nodes[0].node_id
+            master, port = self._get(self._agents[self._store_node].host_store.remote(self._attempt, world))
+        for proc in spec.processes:
+            if proc.rank is not None:
+                node_id, place = next(ranks)
+                assert place.rank == proc.rank, "the supervisor numbers ranks 0..N-1 in order"
+                env = dict(proc.env, **rendezvous.torchrun_env(place, world, master, port, spec.job_id,
+                                                                spec.restart, spec.max_restarts),
+                           NODE_RANK=str(place.group_rank))  # Lightning's name for GROUP_RANK
+                proc = dataclasses.replace(proc, env=env)
+            elif proc.node is not None:  # the data transport's relay for GPU node <g>
+                node_id = plan.nodes[proc.node].node_id
+                self._ip_of.setdefault(node_id, nodes[node_id].ip)
+            else:
+                node_id = next(workers)
+            per_node[node_id].append(proc)
+            self._node_of[proc.key] = node_id
+        files = ray.put(spec.files)
+        shared = [ray.put(_read_fd(fd)) for fd in spec.shared_fds]
+        calls = {}
+        for node_id, procs in per_node.items():
+            cwd = self._workdirs.get(node_id, spec.cwd)  # the node's copy, where it has one
+            sub = LaunchSpec(spec.job_id, cwd, tuple(procs), {}, (), spec.device, spec.restart,
+                             spec.max_restarts, spec.cleanups, placed=True)
+            calls[node_id] = self._agents[node_id].start.remote(sub, files, *shared)
+        errors = []
+        starting = {ref: node_id for node_id, ref in calls.items()}
+        deadline = time.monotonic() + _CALL_TIMEOUT
+        while starting:
+            # A node that started is polled at once and again while others still start (a
+            # fresh agent's start process may still be importing torch): its output streams
+            # from the start, and an agent that cannot ask the cluster whether the kernel
+            # lives (NodeAgent._watch_kernel) does not wait long for a sign of it.
+            wait = min(_LONG_POLL / 2, max(0.0, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(starting), num_returns=1, timeout=wait)
+            for ref in ready:
+                node_id = starting.pop(ref)
+                try:
+                    self._pids.update(ray.get(ref))
+                    self._poll(node_id)
+                except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
+                    errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+                    if not isinstance(getattr(exc, "cause", None), LaunchError):
+                        self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
+            if self._polls:
+                self._wait(0)  # events that came meanwhile are kept in order for events()
+            if starting and time.monotonic() >= deadline:
+                for node_id in starting.values():
+                    errors.append(f"node {nodes[node_id].ip}: its agent did not answer in {_CALL_TIMEOUT:.0f} s")
+                    self._launcher._forget(node_id)
+                break
+        if errors:
+            raise LaunchError("could not start the job: " + "; ".join(errors))
+
+    def _ship(self, copies: list[str], nodes: dict[str, placement.Node]) -> None:
+        """Bring each node of ``copies``' copy of the working directory up to date."""
+        from taas.workdir import sync as workdir_sync
+
+        cwd = self._spec.cwd
+        manifest = workdir_sync.scan(cwd)
+        limit = self._launcher.workdir_limit
+        workdir_sync.check_size(manifest, workdir_sync.limit_from_env() if limit is None else limit, cwd)
+        needs = {n: self._agents[n].workdir_need.remote(cwd, manifest) for n in copies}
+        packs: dict[tuple, object] = {}  # what a node lacks -> its entries, put once
+        updates = {}
+        for node_id, ref in needs.items():
+            need = tuple(self._get(ref))
+            if need not in packs:
+                packs[need] = self._ray.put(workdir_sync.pack(cwd, manifest, list(need)))
+            updates[node_id] = self._agents[node_id].workdir_update.remote(cwd, manifest, packs[need])
+        errors = []
+        for node_id, ref in updates.items():
+            try:
+                self._workdirs[node_id] = self._get(ref)
+            except Exception as exc:  # broad: the agent's LaunchError or any Ray error, told as one line
+                errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+        if errors:
+            raise LaunchError("could not copy the working directory: " + "; ".join(errors))
+        self._snapshot = manifest
+
+    def _bring_back(self) -> None:
+        """Once the attempt's processes are gone: what they changed in the copies of the
+        working directory, from the nodes whose processes may write it (rank 0; every process
+        under ``--storage shared``), into the working directory; rank 0's node last (its
+        version wins).  Every copy's agent rescans its copy, writers or not."""
+        if self._brought or not self._workdirs:
+            return
+        self._brought = True
+        from taas.workdir import sync as workdir_sync
+
+        cwd = self._spec.cwd
+        writers = {self._node_of[p.key] for p in self._spec.processes
+                   if p.storage == "shared" and p.key in self._node_of}
+        refs = {n: self._agents[n].workdir_changes.remote(cwd) for n in self._workdirs if n in self._agents}
+        rank0 = self._node_of.get("rank0")
+        for node_id in sorted(refs, key=lambda n: n == rank0):
+            try:
+                entries, deleted = self._get(refs[node_id])
+            except Exception as exc:  # broad: a lost node's files are lost with it
+                log.warning("could not bring the working directory back from node %s: %s",
+                            node_id, _message(exc))
+                continue
+            if node_id in writers:
+                failed = workdir_sync.apply(cwd, entries, deleted, keep_if=self._snapshot)
+                if failed:
+                    log.warning("could not write back into %s: %s", cwd, ", ".join(failed[:4]))
+
+    def _get(self, ref, timeout: float = _CALL_TIMEOUT):
+        return self._ray.get(ref, timeout=timeout)
+
+    def _poll(self, node_id: str) -> None:
+        self._polls[self._agents[node_id].events.remote(_LONG_POLL)] = node_id
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def events(self, timeout: float):
+        if not self._pending and self._polls:
+            self._wait(timeout)
+        elif not self._pending:
+            time.sleep(timeout)  # nothing outstanding: wait as the contract says, never spin
+        out, self._pending = self._pending, []
+        return out
+
+    def _wait(self, timeout: float) -> None:
+        ray = self._ray
+        ready, rest = ray.wait(list(self._polls), num_returns=1, timeout=timeout)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        for ref in ready:
+            node_id = self._polls.pop(ref)
+            try:
+                events, finished = ray.get(ref)
+            except Exception as exc:  # broad: a dead agent or node, whatever Ray calls it
+                log.debug("agent on node %s lost: %s", node_id, exc)
+                self._lose(node_id)
+                continue
+            for event in events:
+                if isinstance(event, ProcessExit):
+                    self._exited.add(event.key)
+            self._pending.extend(events)
+            if finished:
+                self._finished.add(node_id)
+                self._unreported(node_id)
+            else:
+                self._poll(node_id)
+
+    def _unreported(self, node_id: str) -> None:
+        """A node's job is over but some of its processes' exits never came (the agent ended
+        the job itself, see NodeAgent's watchdog): they are gone, report them so."""
+        for key, where in self._node_of.items():
+            if where == node_id and key not in self._exited:
+                log.debug("%s ended on node %s without an exit report", key, node_id)
+                self._exited.add(key)
+                self._pending.append(ProcessExit(key, self._pids.get(key, 0), -9))
+
+    def _lose(self, node_id: str) -> None:
+        """An agent (or its node) died: so did its processes (their start process's guard has
+        the agent as its parent)."""
+        self._finished.add(node_id)
+        self._lost.setdefault(node_id, time.time())
+        self._launcher._forget(node_id)
+        for key, where in self._node_of.items():
+            if where == node_id and key not in self._exited:
+                self._exited.add(key)
+                self._pending.append(ProcessExit(key, self._pids.get(key, 0), -9))
+
+    def _each(self, call, *args, timeout: float = _CALL_TIMEOUT) -> dict[str, object]:
+        """Call every agent of the attempt at once; node id -> answer (dead agents left out)."""
+        refs = {node_id: getattr(agent, call).remote(*args) for node_id, agent in self._agents.items()}
+        out = {}
+        for node_id, ref in refs.items():
+            try:
+                out[node_id] = self._get(ref, timeout)
+            except Exception:  # broad: a dead agent has nothing to give and nothing to stop
+                pass
+        return out
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self._stopped or not self._agents:
+            return
+        self._each("stop", grace, timeout=grace + 15)
+        self._stopped = True
+        self._bring_back()
+
+    def drain(self, timeout: float = 2.0) -> list[Event]:
+        out: list[Event] = []
+        deadline = time.monotonic() + timeout
+        while self._polls and time.monotonic() < deadline:
+            out.extend(self.events(0.05))
+        return out + self.events(0)
+
+    def fetch(self, key: str, name: str) -> bytes | None:
+        node_id = self._node_of.get(key, "")
+        if node_id in self._lost:
+            return self._lost_report(key, node_id) if name == error_name(key) else None
+        agent = self._agents.get(node_id)
+        if agent is None:
+            return None
+        try:
+            return self._get(agent.fetch.remote(key, name))
+        except Exception:  # broad: the node is gone, and what it held with it
+            return None
+
+    def _lost_report(self, key: str, node_id: str) -> bytes:
+        """The failure report of a process that went with its node's agent (as
+        :mod:`taas.launch.process.report` writes one): the time the agent was found dead."""
+        ip = self._ip_of.get(node_id, node_id[:12])
+        return json.dumps({
+            "key": key, "time": self._lost[node_id], "exit_code": -9, "chain": [], "hint": None,
+            "message": f"was lost with node {ip}: taas's agent there died (its process or the node was killed)",
+        }).encode()
+
+    def request_stacks(self, keys) -> list[str]:
+        by_node: dict[str, list[str]] = defaultdict(list)
+        for key in keys:
+            if key in self._node_of:
+                by_node[self._node_of[key]].append(key)
+        refs = [self._agents[n].request_stacks.remote(k) for n, k in by_node.items()]
+        asked: list[str] = []
+        for ref in refs:
+            try:
+                asked += self._get(ref, 10)
+            except Exception:  # broad: a dead agent's ranks cannot answer
+                pass
+        return asked
+
+    def layers(self) -> list[tuple[str, str]]:
+        """The layers' uppers: as their agents report them where the node shares the working
+        directory, else fetched from the node into a directory of the kernel's (removed at
+        :meth:`close`)."""
+        self._bring_back()
+        out = [layer for node_id, found in self._each("layers").items() if node_id not in self._workdirs
+               for layer in found]
+        if self._workdirs:
+            import tempfile
+
+            from taas.launch.local import jobdir
+            from taas.workdir import sync as workdir_sync
+
+            for node_id, found in self._each("layer_entries").items():
+                if node_id not in self._workdirs:
+                    continue
+                for name, entries in found:
+                    try:  # never raises: the supervisor closes the job right after the merge
+                        if self._layer_root is None:
+                            self._layer_root = tempfile.mkdtemp(prefix=f"taas-{self._attempt}-layers-")
+                        upper = os.path.join(self._layer_root, name)
+                        os.mkdir(upper)
+                    except OSError as exc:
+                        log.warning("%s", jobdir.no_room(f"fetch {name}'s layer", exc))
+                        continue
+                    workdir_sync.apply(upper, entries)
+                    out.append((name, upper))
+        return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.stop()
+            self._bring_back()  # when stop() had nothing to stop
+            self._each("close")
+            if self._store_node is not None and self._store_node in self._agents:
+                self._each_one(self._store_node, "close_store", self._attempt)
+        finally:
+            self._polls.clear()
+            if self._layer_root is not None:
+                from taas.launch.local import jobdir
+
+                jobdir.remove(self._layer_root)
+            self._launcher._job_ended()
+
+    def _each_one(self, node_id: str, call: str, *args) -> None:
+        try:
+            self._get(getattr(self._agents[node_id], call).remote(*args))
+        except Exception:  # broad: a dead agent holds nothing any more
+            pass
+
+
+def _read_fd(fd: int) -> bytes:
+    """The whole content of one of the kernel's shared files (a resident big tensor)."""
+    size = os.fstat(fd).st_size
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, min(size - offset, 1 << 30), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)

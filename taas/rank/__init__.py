@@ -1,0 +1,1 @@
+"""The rank runtime: what runs inside each rank process (the cell body, the process group, display, patches)."""

@@ -1,0 +1,259 @@
+"""The rank runtime: what one rank does, from fork to exit.
+
+    load payload -> device, patches -> default process group + start-up barrier
+    -> data views -> exec the cell -> report "comm" -> (rank 0) results -> exit code
+
+Runs in a process forked by the start process, which already set up stdout/stderr, the
+environment (torchrun's variables), the working directory and the storage rule; see
+:mod:`taas.launch.local.starter`.  Every way out but the end of the cell writes a report
+(:mod:`taas.launch.process.report`; ``sys.exit`` too, code 0 included, so the kernel knows where a rank
+left) and returns an exit code; a signal death leaves faulthandler's dump instead.
+
+Every rank passes one barrier right after ``init_process_group``, before the cell: gloo's init
+can return on one rank before a peer finished connecting to it, and a rank that left then
+would fail the peer's init.  After that, a rank that ends never joins a collective: a barrier
+on the way out would pair with a peer's pending ``all_reduce`` and hang the job.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import faulthandler
+import linecache
+import logging
+import os
+import pickle
+import sys
+
+import torch
+import torch.distributed as dist
+
+from taas.job import crossing
+from taas.job.analysis import compile_cell
+from taas.job.package import Payload, unship
+from taas.rank import comm, display, patches
+from taas.launch.process import events, report, stacks
+
+log = logging.getLogger(__name__)
+
+
+def main(spec) -> int:
+    job_dir = os.environ["TAAS_JOB_DIR"]
+    key = spec.key
+    rank = int(os.environ["RANK"])
+    fault_file = open(report.fault_path(job_dir, key), "w")
+    faulthandler.enable(file=fault_file, all_threads=False)
+    try:
+        with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
+            payload: Payload = pickle.load(f)
+        _log_to_stderr(payload.log_level)
+        log.debug("rank %d of %s: %s on %s/%s, storage %s, loaders %s", rank, os.environ.get("WORLD_SIZE"),
+                  payload.filename, payload.device, payload.backend, os.environ.get("TAAS_STORAGE", "shared"),
+                  ", ".join(payload.loaders) or "none")
+        stacks.start(job_dir, key, payload.filename)  # where this rank is, when the kernel asks
+        events.send("up")  # the supervisor's --stall clock starts once every rank is up
+        if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
+            print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
+        _setup(payload)
+        namespace = unship(payload.names, resolve=_loader_view)
+        namespace.update(
+            __name__="__main__", __builtins__=builtins, display=display.display
+        )
+        namespace.setdefault("get_ipython", crossing.get_ipython)
+        _install_data_views(payload, namespace)
+        out = _run_cell(payload, namespace)
+        comm.report()
+        log.debug("cell done on rank %d", rank)
+        if rank == 0 and payload.results:
+            _write_results(job_dir, payload, namespace, out)
+        _teardown(done=True)
+        return 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)  # sys.exit("message"), as Python prints it
+        if code == 0:
+            comm.report()
+        report.write_error(job_dir, key, exc, code, f"exited with code {code} (sys.exit)")
+        _teardown()
+        return code
+    except BaseException as exc:  # the user's error, or KeyboardInterrupt
+        report.write_error(job_dir, key, exc, 1)
+        _teardown()
+        return 1
+    finally:
+        faulthandler.disable()
+
+
+def _log_to_stderr(level: int | None) -> None:
+    """The kernel's ``taas`` logger was turned below WARNING: log at that level to this rank's
+    stderr (the cell, tagged ``[rankN]``).  Otherwise nothing: ranks stay silent by default."""
+    if level is None:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger = logging.getLogger("taas")
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def _setup(payload: Payload) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    device_id = None
+    if payload.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device_id = torch.device("cuda", local_rank)
+    else:
+        # What `accelerate launch --cpu` sets: Accelerator() and Hugging Face's Trainer then run
+        # as the job's ranks on CPU (MULTI_CPU) instead of one process each.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    patches.install(payload.device)
+    dist.init_process_group(
+        backend=payload.backend,
+        init_method="env://",
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        timeout=datetime.timedelta(seconds=payload.pg_timeout),
+        device_id=device_id,
+    )
+    if world > 1:
+        dist.barrier()  # every rank is connected before any can leave (see the docstring)
+    comm.install()
+    display.install(rank=int(os.environ["RANK"]), formatter=payload.display_formatter)
+
+
+def _loader_view(name: str):
+    """What a registered loader's stand-in (:class:`taas.job.package.StandIn`) refers to here:
+    this rank's view of it (packaging, a layer below, leaves the lookup to us)."""
+    from taas.data.view import view_named
+
+    return view_named(name)
+
+
+def _install_data_views(payload: Payload, namespace: dict) -> None:
+    """Replace registered loaders the cell uses by this rank's view of the data plane."""
+    if not payload.loaders:
+        return
+    from taas.data.view import install_views
+
+    install_views(payload.loaders, namespace)
+
+
+def _run_cell(payload: Payload, namespace: dict):
+    linecache.cache[payload.filename] = (
+        len(payload.source),
+        None,
+        ["\n"] * (payload.first_line - 1) + payload.source.splitlines(keepends=True),
+        payload.filename,
+    )
+    body, last = compile_cell(payload.source, payload.filename, payload.first_line)
+    exec(body, namespace)
+    if last is not None:
+        return eval(last, namespace)
+    return None
+
+
+def _write_results(job_dir: str, payload: Payload, namespace: dict, out) -> None:
+    values: dict[str, bytes] = {}
+    skipped: dict[str, str] = {}
+    for name in payload.bound:
+        if name.startswith("__") or name not in namespace:
+            continue
+        blob, why = _pack(namespace[name], payload.results_to_cpu)
+        if blob is None:
+            skipped[name] = why
+        else:
+            values[name] = blob
+    out_blob, out_why = (None, None) if out is None else _pack(out, payload.results_to_cpu)
+    result = {"values": values, "skipped": skipped, "out": out_blob, "out_skipped": out_why}
+    tmp = report.result_path(job_dir) + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, report.result_path(job_dir))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("results: %s; not brought back: %s; Out: %s",
+                  ", ".join(f"{k} ({len(v)} bytes)" for k, v in values.items()) or "none",
+                  ", ".join(skipped) or "none",
+                  "none" if out_blob is None else f"{len(out_blob)} bytes")
+
+
+def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
+    """One result as bytes, or why it cannot come back.  Never raises (but for Ctrl-C): a
+    value's failure to pickle -- whatever it raises, SystemExit included -- costs that value,
+    never the job or the other values.  DistributedDataParallel and Lightning Fabric wrappers
+    anywhere in the value come back as what they wrap (taas.job.crossing)."""
+    kind = type(value).__qualname__
+    limit = sys.getrecursionlimit()
+    try:
+        sys.setrecursionlimit(max(limit, crossing.RESULT_RECURSION_LIMIT))  # deeper: a note
+        value = crossing.unwrap(value)
+        kind = type(value).__qualname__
+        if _holds_shards(value):
+            return None, (f"{type(value).__qualname__} holds sharded DTensors that belong to the "
+                          "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
+        if to_cpu:
+            value = _to_cpu(value)
+        return crossing.dumps(value, crossing.TO_KERNEL), None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit from a __reduce__ too: it ends nothing here
+        if isinstance(exc, RecursionError) or isinstance(exc.__cause__, RecursionError):
+            return None, f"{kind} is nested too deeply to pickle"
+        text = str(exc).splitlines()[0][:120] if str(exc) else ""
+        why = text if text and isinstance(exc, Exception) else f"{type(exc).__name__}: {text}".rstrip(": ")
+        return None, f"{kind} cannot be pickled ({why})"
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _holds_shards(value) -> bool:
+    """A module or optimizer over FSDP/DTensor parameters: its shards mean nothing outside."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, torch.nn.Module):
+        return any(isinstance(p, DTensor) for p in value.parameters())
+    if isinstance(value, torch.optim.Optimizer):
+        return any(isinstance(p, DTensor) for group in value.param_groups for p in group["params"])
+    return False
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu() if value.device.type != "cpu" else value
+    if isinstance(value, torch.nn.Module):
+        return value.cpu()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _teardown(done: bool = False) -> None:
+    """On every way out: no collective here (see the module docstring).
+
+    ``done``: the cell ran to its end.  Once everything the kernel needs from this rank is out
+    (output flushed, results written, the views' figures sent) the rank says so; when every
+    rank has, the supervisor ends the processes itself instead of waiting for each to free its
+    process group (gloo's destructor takes ~10 ms per peer connection) and exit."""
+    views = sys.modules.get("taas.data.view")
+    if views is not None:  # first: loader workers must not wait for a rank that is leaving
+        views.close_views()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if done:
+        events.send("done")
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # any backend error here follows an earlier failure
+            pass  # a peer failed; the supervisor reports that failure, not this one

@@ -1,1 +1,0 @@
-"""The rank runtime: what runs inside each worker process."""

@@ -1,0 +1,110 @@
+"""A big notebook tensor read by a real job: moved to shared memory once, passed to every rank
+by descriptor and mapped copy-on-write there; nothing of a job left after it, whether it
+succeeded or failed."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from tests.support.kernel_driver import Kernel, cell
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = Kernel(str(tmp_path_factory.mktemp("notebook")))
+    run = k.run("import torch\nbig = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB")
+    assert run.error is None, run.traceback
+    yield k
+    k.shutdown()
+
+
+def test_rank_writes_to_its_own_copy_only(kernel, clean):
+    run = kernel.run(cell("""
+        #pragma taas --gpus 2
+        import os
+        import torch.distributed as dist
+        shared = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.environ["TAAS_SHARED_FDS"].split(",")]
+        maps = open("/proc/self/maps").read()
+        mapped = sorted({line.split()[1] for line in maps.splitlines() if shared[0] in line})
+        if dist.get_rank() == 1:
+            big.add_(1)  # in place, in rank 1 only
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print("mapped", mapped)
+            print("rank0 unchanged", torch.equal(big, torch.arange(16 << 20, dtype=torch.float32)))
+        else:
+            print("rank1 first", big[0].item())
+        dist.barrier()
+    """))
+    assert run.error is None, run.traceback
+    assert "[rank0] mapped ['rw-p']" in run.stdout  # one private mapping of the shared copy
+    assert "[rank0] rank0 unchanged True" in run.stdout
+    assert "[rank1] rank1 first 1.0" in run.stdout
+    after = kernel.run(cell("""
+        a = big.data_ptr()
+        perms = [line.split()[1] for line in open("/proc/self/maps")
+                 if int(line.split("-")[0], 16) <= a < int(line.split()[0].split("-")[1], 16)]
+        print(torch.equal(big, torch.arange(16 << 20, dtype=torch.float32)), perms)
+    """))
+    # the notebook's tensor, unchanged and where it was, now in shared memory
+    assert after.stdout.strip() == "True ['rw-s']", after.stdout
+
+
+def test_the_next_job_gets_the_same_copy_with_the_notebooks_changes(kernel, clean):
+    kernel.run("big[0] = -7.0")
+    run = kernel.run(cell("""
+        #pragma taas --gpus 2
+        print("first", big[0].item(), "rest", torch.equal(big[1:], torch.arange(1, 16 << 20, dtype=torch.float32)))
+    """))
+    assert run.error is None, run.traceback
+    assert run.stdout.count("first -7.0 rest True") == 2, run.stdout
+
+
+def test_failed_job_leaves_no_shared_copy(kernel, clean):
+    run = kernel.run(cell("""
+        #pragma taas --gpus 2
+        total = big[:4].sum()
+        raise ValueError("boom after reading big")
+    """))
+    assert run.error is not None and "boom after reading big" in run.traceback
+
+
+def test_a_tensor_with_a_numpy_alias_and_the_alias_survive_a_job(kernel, clean):
+    """The alias shares the tensor's memory; a job must neither free it nor move it away (the
+    first design swapped the storage's pointer and freed the old pages: the kernel crashed)."""
+    setup = kernel.run("t2 = torch.arange(16 << 20, dtype=torch.float32)\na2 = t2.numpy()")
+    assert setup.error is None, setup.traceback
+    run = kernel.run(cell("""
+        #pragma taas --gpus 2
+        print("sum", float(t2[:5].sum()))
+    """))
+    assert run.error is None, run.traceback
+    assert run.stdout.count("sum 10.0") == 2, run.stdout
+    after = kernel.run(cell("""
+        junk = [torch.ones(16 << 20) for _ in range(3)]  # would reuse freed memory
+        a2[0] = 5.0
+        print(t2[0].item(), float(a2[1:5].sum()))
+        del junk
+    """))
+    assert after.error is None, after.traceback
+    assert after.stdout.strip() == "5.0 10.0"
+
+
+SHARED_FILES = cell("""
+    print(sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+              for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")))
+""")
+
+
+def test_a_freed_tensors_shared_memory_goes_after_the_cell_that_freed_it(kernel, clean):
+    assert kernel.run("import os").error is None
+    before = int(kernel.run(SHARED_FILES).stdout)
+    kernel.run("t3 = torch.ones(16 << 20)")
+    run = kernel.run("#pragma taas --gpus 2\nx = float(t3[:4].sum())")
+    assert run.error is None, run.traceback
+    assert int(kernel.run(SHARED_FILES).stdout) == before + 1  # t3's file, kept for later jobs
+    kernel.run("del t3")
+    assert int(kernel.run(SHARED_FILES).stdout) == before  # closed after the cell that freed it

@@ -1,0 +1,92 @@
+"""End to end: where the ranks were when a job hangs, is interrupted or stalls (taas.io.hang)."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+
+from tests.support.kernel_driver import cell
+
+pytestmark = pytest.mark.kernel
+
+
+# Rank 1 waits in a barrier while the others wait in an all_reduce: nobody ever returns.
+# Cell lines: the directive is line 1, so `dist.barrier()` is line 6, `dist.all_reduce(t)` line 8.
+MISMATCH = """    import torch, torch.distributed as dist
+    t = torch.ones(1)
+    print('blocking', flush=True)
+    if dist.get_rank() == 1:
+        dist.barrier()
+    else:
+        dist.all_reduce(t)
+"""
+
+
+def test_timeout_shows_where_every_rank_was_and_names_the_odd_one(kernel, clean):
+    run = kernel.run(cell("%%taas --gpus 3 --timeout 5\n" + textwrap.dedent(MISMATCH)))
+    assert run.status == "error"
+    lines = run.error["traceback"]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(lines))
+    first = text.splitlines()[0]
+    assert "ran past --timeout 5s" in first and "rank1 is not where the others are" in first, text
+    assert "rank1: line 6 dist.barrier()" in text, text
+    assert "rank0,2: line 8 dist.all_reduce(t)" in text, text
+    assert "--- rank1 ---" in text and "Python stacks" in text, text
+    assert re.search(r"Cell In\[\d+\], line 6\n    dist.barrier\(\)", text), text
+
+
+def test_interrupt_shows_where_every_rank_was(kernel, clean):
+    seen = {}
+
+    def on_output(out):
+        # The stall line proves the ranks sit in their collectives; then the user interrupts.
+        if "taas: no output for 1 s" in out.stderr and "at" not in seen:
+            seen["at"] = out.stderr
+            kernel.km.interrupt_kernel()
+
+    run = kernel.run(cell("%%taas --gpus 3 --stall 1\n" + textwrap.dedent(MISMATCH)), on_output=on_output)
+    assert "at" in seen
+    stall = [line for line in seen["at"].splitlines() if "no output for" in line][0]
+    assert "rank0,2: line 8 dist.all_reduce(t) | rank1: line 6 dist.barrier()" in stall, stall
+    assert run.status == "error" and run.error["ename"] == "KeyboardInterrupt"
+    text = "\n".join(run.error["traceback"])
+    assert "the job was interrupted" in text, text
+    assert "rank1 is not where the others are" in text and "rank1: line 6 dist.barrier()" in text, text
+    assert "rank0,2: line 8 dist.all_reduce(t)" in text, text
+
+
+def test_a_rank_that_left_is_not_where_the_others_are(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 3 --timeout 5
+        import sys, torch, torch.distributed as dist
+        t = torch.ones(1)
+        if dist.get_rank() == 1:
+            sys.exit(0)
+        dist.all_reduce(t)
+    """))
+    assert run.status == "error"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", run.error["traceback"][0])
+    # Either gloo notices the peer left (the failure report names it), or the job runs past
+    # the timeout and the doctor does: rank 1 is named either way.
+    assert ("rank1 exited with code 0 (sys.exit) while the other ranks were still running" in text
+            or "rank1" in text and "not where the others are" in text), text
+
+
+def test_a_silent_job_says_where_it_is_once_per_stall_and_goes_on(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --stall 2
+        import time
+        print('go', flush=True)
+        end = time.monotonic() + 6
+        while time.monotonic() < end:
+            time.sleep(0.1)
+        print('done')
+    """))
+    assert run.error is None, run.traceback
+    assert "[rank0] done" in run.stdout and "[rank1] done" in run.stdout
+    stalls = [line for line in run.stderr.splitlines() if line.startswith("taas: no output for 2 s;")]
+    # Start-up may be silent for 2 s too on a busy machine: those lines name no cell line.
+    in_loop = [line for line in stalls if re.search(r"rank0,1: line [56] ", line)]
+    assert len(in_loop) == 1, run.stderr

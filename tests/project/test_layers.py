@@ -1,0 +1,241 @@
+"""The rooms of taas, checked on the source: who may import whom, and where IPython may appear.
+
+Read with ``ast`` (nothing is imported), so an import inside a function counts as much as one at
+the top of a module.  Each folder is a room; a module may import its own room and the rooms
+ROOMS lists for it, and those lists form no loop.  Rooms below get what they need from above as
+plain values and callables (the display formatter rank 0 uses, where the notebook's names live,
+how a stand-in finds its loader's view, the transport the session picked).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "taas"
+
+# The rooms of taas and what each may import.  A room is a folder (its modules, not its
+# sub-folders: those are rooms of their own) or a top-level module.  A module may import its own
+# room and the rooms listed for it, nothing else; the listed graph must have no loop, so no two
+# rooms ever import each other, directly or round a loop.  The order below is bottom to top.
+ROOMS: dict[str, set[str]] = {
+    "taas.errors": set(),
+    "taas.shield": set(),
+    # Pure logic and formats both sides of a job agree on.
+    "taas.directive": {"taas.errors"},
+    "taas.io": {"taas.errors"},
+    "taas.job.memory": {"taas.errors"},
+    "taas.job": {"taas.errors", "taas.job.memory"},
+    "taas.workdir": {"taas.errors"},
+    # The launcher contract (api, rendezvous) and what a launched process may use.
+    "taas.launch": {"taas.errors", "taas.shield"},
+    "taas.launch.process": {"taas.launch"},
+    # The launchers: never the data plane or the rank runtime (the session joins them).
+    "taas.launch.local": {"taas.errors", "taas.shield", "taas.launch", "taas.launch.process",
+                          "taas.workdir"},
+    "taas.launch.ray": {"taas.errors", "taas.shield", "taas.io", "taas.launch", "taas.launch.process",
+                        "taas.launch.local", "taas.workdir"},
+    # The data plane: its contract and core, then the two transports.
+    "taas.data": {"taas.errors", "taas.io", "taas.job", "taas.launch", "taas.launch.process"},
+    "taas.data.shm": {"taas.errors", "taas.data"},
+    "taas.data.tcp": {"taas.errors", "taas.io", "taas.data", "taas.data.shm", "taas.launch",
+                      "taas.launch.process"},
+    # The rank runtime sits above the data plane and the process side of the launcher.
+    "taas.rank": {"taas.errors", "taas.shield", "taas.job", "taas.data", "taas.launch",
+                  "taas.launch.process"},
+    # One kernel's job runner (no IPython): the supervisor, and the session (composition root:
+    # it picks the launcher and the transport).
+    "taas.supervisor": {"taas.errors", "taas.shield", "taas.io", "taas.job", "taas.workdir",
+                        "taas.launch", "taas.data"},
+    "taas.session": {"taas.errors", "taas.shield", "taas.directive", "taas.io", "taas.job",
+                     "taas.job.memory", "taas.workdir", "taas.launch", "taas.launch.local",
+                     "taas.launch.ray", "taas.data", "taas.data.shm", "taas.data.tcp",
+                     "taas.rank", "taas.supervisor"},
+    # The notebook face.
+    "taas.status": {"taas.session", "taas.data"},
+    "taas.magics": {"taas.errors", "taas.directive", "taas.job", "taas.workdir", "taas.session",
+                    "taas.status"},
+    "taas": {"taas.data", "taas.magics", "taas.session"},
+}
+
+# Modules allowed to import IPython (anywhere in the module).
+IPYTHON_ALLOWED = {"taas.magics", "taas"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _room(module: str) -> str:
+    """The room of ``module``: itself when it is a top-level module or a room's package, else
+    the package it lives in."""
+    if module in ROOMS:
+        return module
+    room = module.rpartition(".")[0]
+    if room not in ROOMS:
+        raise AssertionError(f"{module} is in no room: add its folder to ROOMS in {__file__}")
+    return room
+
+
+def _package_of(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _imports(module: str) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``module``, at any depth, relative ones
+    resolved; ``from P import n`` counts as P.n when that is a module, else as P."""
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = _package_of(module).split(".")
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                found.append((child if child in MODULES else base, node.lineno))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module"
+                   or getattr(node.func, "id", None) in ("import_module", "__import__"))):
+            found.append((node.args[0].value, node.lineno))  # importlib with a literal name
+    return found
+
+
+def _own(name: str) -> str | None:
+    """The taas module ``name`` refers to (the longest known prefix), or None."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def test_every_module_has_a_room_and_every_room_a_module():
+    rooms = {_room(module) for module in MODULES}
+    assert rooms == set(ROOMS), set(ROOMS) ^ rooms
+
+
+def test_the_rooms_form_no_loop():
+    # Kahn's algorithm over the allowed edges: what is left at the end sits on a loop.
+    left = {room: set(allowed) - {room} for room, allowed in ROOMS.items()}
+    assert all(set(allowed) <= set(ROOMS) for allowed in left.values())
+    while True:
+        free = [room for room, allowed in left.items() if not allowed]
+        if not free:
+            break
+        for room in free:
+            del left[room]
+        for allowed in left.values():
+            allowed.difference_update(free)
+    assert left == {}, f"rooms on a loop: {sorted(left)}"
+
+
+def test_each_room_says_what_it_is_for():
+    for room in ROOMS:
+        path = MODULES[room]
+        if path.name == "__init__.py":
+            assert ast.get_docstring(ast.parse(path.read_text())), f"{path} has no docstring"
+
+
+def test_only_the_notebook_layer_imports_ipython():
+    offenders = [f"{module}:{line} imports {name}"
+                 for module in MODULES if module not in IPYTHON_ALLOWED
+                 for name, line in _imports(module)
+                 if name == "IPython" or name.startswith("IPython.")]
+    assert offenders == [], offenders
+
+
+def test_no_module_imports_a_room_it_may_not():
+    offenders = []
+    for module in MODULES:
+        room = _room(module)
+        for name, line in _imports(module):
+            target = _own(name) if name.split(".")[0] == "taas" else None
+            if target is None or _room(target) == room or _room(target) in ROOMS[room]:
+                continue
+            offenders.append(f"{module}:{line} ({room}) imports {target} ({_room(target)})")
+    assert offenders == [], offenders
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    # The checks above are only as good as _imports: it must see a lazy import too.
+    found = dict(_imports("taas.rank.main"))
+    assert "taas.data.view" in found  # imported inside _loader_view and _install_data_views
+
+
+@pytest.mark.parametrize("code", [
+    "import taas",
+    "import taas; taas.registered(); taas.get_worker_info()",  # the data API needs no torch
+])
+def test_importing_taas_imports_neither_torch_nor_ipython(code):
+    check = (f"{code}\nimport sys\n"
+             "print(sorted(m for m in ('torch', 'IPython') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+# -- what the notebook layer hands down, as plain values ---------------------------------------
+def test_rank_zero_formats_with_the_formatter_the_notebook_layer_chose():
+    from taas import magics
+    from taas.job import package
+    from taas.rank import display
+
+    class Rich:
+        def _repr_html_(self):
+            return "<b>rich</b>"
+
+        def __repr__(self):
+            return "Rich()"
+
+    def payload():
+        return package.Payload(source="", filename="<cell>", first_line=1, names=b"", bound=(),
+                               device="cpu", backend="gloo", pg_timeout=1.0)
+
+    assert payload().display_formatter is None
+    assert display.format_bundle(Rich()) == ({"text/plain": "Rich()"}, {})  # no formatter: repr
+    magics.choose_display_formatter()
+    try:
+        spec = payload().display_formatter
+        assert spec == "IPython.core.formatters:DisplayFormatter"
+        data, _ = display.format_bundle(Rich(), spec)
+        assert data == {"text/plain": "Rich()", "text/html": "<b>rich</b>"}
+    finally:
+        magics.forget_display_formatter()
+    assert payload().display_formatter is None
+
+
+def test_registered_loaders_are_named_from_the_namespace_the_notebook_layer_gives():
+    from taas.data import registry
+
+    loader = [1, 2, 3]
+    before = registry._namespace_source
+    registry.register(loader)
+    try:
+        registry.set_namespace_source(None)
+        assert registry.registered() == [object.__repr__(loader)]
+        registry.set_namespace_source(lambda: {"train": loader})
+        assert registry.registered() == ["train"]
+    finally:
+        registry.unregister(loader)
+        registry.set_namespace_source(before)

@@ -1,0 +1,264 @@
+"""Drive a real Jupyter kernel from tests: run cells, collect outputs, check for leftovers."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from jupyter_client import KernelManager
+from traitlets import List, Unicode
+
+
+# No downloads: Hugging Face libraries in the kernel and its ranks (which inherit it) stay offline.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def cell(text: str) -> str:
+    """A cell's source written indented inside a test."""
+    return textwrap.dedent(text).strip("\n")
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal colours (IPython colours tracebacks)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def one_line_usage_error(run) -> str:
+    """IPython shows a UsageError as one stderr line (no traceback)."""
+    assert run.status == "error", run.stdout + run.stderr
+    usage = [line for line in run.stderr.splitlines() if line.startswith("UsageError: ")]
+    assert len(usage) == 1 and run.stderr.strip() == usage[0], run.stderr
+    return usage[0]
+
+
+@dataclass
+class CellRun:
+    stdout: str = ""
+    stderr: str = ""
+    error: dict | None = None  # ename, evalue, traceback
+    result: str | None = None  # execute_result text/plain
+    displays: list = field(default_factory=list)
+    status: str = ""
+    messages: list = field(default_factory=list)  # every iopub message of the cell, in order
+
+    @property
+    def traceback(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+
+class _PrefixedKernelManager(KernelManager):
+    """Starts the kernel command behind ``command_prefix`` (e.g. ``nsenter ...`` to run it in
+    another namespace); restarts keep the prefix."""
+
+    command_prefix = List(Unicode())
+
+    def format_kernel_cmd(self, extra_arguments=None):
+        return [*self.command_prefix, *super().format_kernel_cmd(extra_arguments)]
+
+
+class Kernel:
+    def __init__(self, cwd: str, load_taas: bool = True, env: dict | None = None,
+                 transport: str = "tcp", command_prefix: list[str] | None = None):
+        """A kernel started in ``cwd``, with ``env`` added to this process's environment.
+
+        ``transport="ipc"``: the channels are Unix sockets next to the connection file, for a
+        kernel whose loopback is not ours (another network namespace).  ``command_prefix``:
+        argv put before the kernel's command (then ``pid`` is the prefix command's)."""
+        self.km = _PrefixedKernelManager(kernel_name="python3", transport=transport,
+                                         command_prefix=list(command_prefix or []))
+        self._ipc_dir = None
+        if transport == "ipc":
+            # Absolute socket paths: the default ("kernel-ipc-PORT") is relative to each
+            # side's working directory, which differ.
+            self._ipc_dir = tempfile.mkdtemp(prefix="taas-kipc-")
+            self.km.connection_file = os.path.join(self._ipc_dir, "kernel.json")
+            self.km.ip = os.path.join(self._ipc_dir, "k")
+        env = {**os.environ, **(env or {})}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_repo_root(), env.get("PYTHONPATH")]))
+        self.km.start_kernel(cwd=cwd, env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=self.CELL_TIMEOUT)
+        self.pid = self.km.provisioner.process.pid
+        if load_taas:
+            run = self.run("%load_ext taas")
+            assert run.error is None, run.traceback
+
+    # Upper bounds for "until it is done": only a real hang reaches them, however busy the
+    # machine is.  Bounds the product promises (stop within 5 s) are asserted by the tests.
+    CELL_TIMEOUT = 600.0
+
+    def execute(self, code: str) -> str:
+        """Send ``code`` for execution without waiting; its msg_id, for :meth:`reply`."""
+        return self.kc.execute(code)
+
+    def reply(self, msg_id: str, timeout: float = CELL_TIMEOUT) -> dict:
+        """The shell reply to request ``msg_id``; replies to other requests (an earlier cell
+        that timed out, say) are skipped, never taken for this one's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
+            try:
+                msg = self.kc.get_shell_msg(timeout=min(remaining, 1))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+
+    def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None) -> CellRun:
+        msg_id = self.execute(code)
+        out = CellRun()
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._abandon(msg_id)
+                raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            out.messages.append(msg)
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    out.stdout += content["text"]
+                else:
+                    out.stderr += content["text"]
+                if on_output:
+                    on_output(out)
+            elif kind == "error":
+                out.error = content
+            elif kind == "execute_result":
+                out.result = content["data"].get("text/plain")
+            elif kind in ("display_data", "update_display_data"):
+                out.displays.append((kind, content["data"]))
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        out.status = self.reply(msg_id)["content"]["status"]
+        return out
+
+    def _abandon(self, msg_id: str) -> None:
+        """A cell that ran too long: interrupt it and wait for its reply, so the next cell
+        starts on an idle kernel (its messages are told apart by msg_id in any case)."""
+        try:
+            self.km.interrupt_kernel()
+            self.reply(msg_id, timeout=60)
+        except Exception:  # best effort: the TimeoutError that follows is the failure
+            pass
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def listening_ports(pids: set[int]) -> set[int]:
+    ports = set()
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
+            ports.add(conn.laddr.port)
+    return ports
+
+
+def wait_for(predicate, timeout: float = 300.0, what: str = "the condition"):
+    """Poll ``predicate`` until it returns something true (returned); an event, not a time:
+    ``timeout`` is an upper bound that only a real failure reaches."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen in {timeout}s")
+        time.sleep(0.05)
+
+
+def wait_until_gone(pids, timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def unmapped_shm(names: set, wait: float = 3.0) -> set:
+    """The /dev/shm entries among ``names`` that no process maps: leaked.  (Other kernels on
+    this machine may be running jobs too: their segments are mapped, not ours to judge.)"""
+    deadline = time.monotonic() + wait
+    while True:
+        left = {n for n in names if os.path.exists(f"/dev/shm/{n}")}
+        if left:
+            mapped = set()
+            for pid in os.listdir("/proc"):
+                if pid.isdigit():
+                    try:
+                        with open(f"/proc/{pid}/maps") as f:
+                            text = f.read()
+                    except OSError:
+                        continue
+                    mapped |= {n for n in left if f"/dev/shm/{n}" in text}
+            left -= mapped
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def process_name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
+
+
+def cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def open_files(p: psutil.Process) -> list:
+    try:
+        return p.open_files()
+    except psutil.Error:
+        return []

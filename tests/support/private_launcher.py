@@ -1,0 +1,247 @@
+"""A second launcher, deliberately unlike the local one, to prove the launcher contract.
+
+:mod:`taas.launch.local.launcher` forks every process from one warm start process that has torch
+imported, and all of a job's processes share one job directory.  This launcher starts each
+process with :mod:`subprocess` (a fresh interpreter: ``python -m tests.support.private_launcher DIR``)
+and gives each one its own private temporary root: the job's files are copied into every
+process's root, and what a process leaves there (report, fault dump, results, layer) is read
+back from that root only.  Nothing is shared through files; the session and supervisor must not
+notice.  Selected with ``TAAS_LAUNCHER=tests.support.private_launcher:PrivateLauncher``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import pickle
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from taas.errors import LaunchError
+from taas.launch import rendezvous
+from taas.launch.api import JobHandle, Launcher, LaunchSpec, OutputChunk, ProcessExit, Topology
+
+_STREAMS = ("stdout", "stderr", "events")
+
+
+class PrivateLauncher(Launcher):
+    def __init__(self):
+        self.jobs: list[PrivateJob] = []
+
+    def start(self, spec: LaunchSpec) -> "PrivateJob":
+        store, port = rendezvous.agent_store(spec.world_size) if spec.world_size else (None, 0)
+        job = PrivateJob(spec, store)
+        try:
+            for proc in spec.processes:
+                job.spawn(proc, port)
+        except BaseException:  # a failed start leaves nothing
+            job.close()
+            raise
+        self.jobs = [j for j in self.jobs if not j.closed] + [job]
+        return job
+
+    def topology(self, world: int) -> Topology:
+        return Topology(rank_nodes=(0,) * world)  # one machine here too
+
+    def shutdown(self) -> None:
+        for job in self.jobs:
+            job.close()
+        self.jobs = []
+
+
+class PrivateJob(JobHandle):
+    def __init__(self, spec: LaunchSpec, store):
+        self.spec = spec
+        self.store = store
+        self.roots: dict[str, str] = {}  # key -> the process's private root
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.readers: dict[int, tuple[str, str]] = {}
+        self.selector = selectors.DefaultSelector()
+        self.exited: set[str] = set()
+        self.closed = False
+
+    # -- starting ------------------------------------------------------------------------
+    def spawn(self, proc, port: int) -> None:
+        spec = self.spec
+        root = self.roots[proc.key] = tempfile.mkdtemp(prefix=f"taas-private-{proc.key}-")
+        for name, data in spec.files.items():
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(data)
+        env = dict(os.environ, **proc.env, TAAS_JOB_DIR=root, TMPDIR=root,
+                   GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
+        if proc.rank is not None:
+            place = rendezvous.Placement(proc.rank, proc.rank, spec.world_size)
+            env.update(rendezvous.torchrun_env(place, spec.world_size, "127.0.0.1", port, spec.job_id,
+                                               spec.restart, spec.max_restarts))
+            env["TAAS_SCRATCH"] = os.path.join(root, "scratch")
+            os.makedirs(env["TAAS_SCRATCH"])
+        with open(os.path.join(root, "spec.pkl"), "wb") as f:
+            pickle.dump((dataclasses.replace(proc, env=env), spec.cwd), f)
+        events_r, events_w = os.pipe()
+        shared = list(spec.shared_fds)
+        env["TAAS_EVENTS_FD"] = str(events_w)
+        env["TAAS_SHARED_FDS"] = ",".join(map(str, shared))
+        root_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root_dir, env.get("PYTHONPATH")]))
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.private_launcher", root, str(os.getpid())],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                pass_fds=[events_w, *shared], env=env, cwd=spec.cwd, start_new_session=True)
+        except OSError as exc:
+            os.close(events_r)
+            raise LaunchError(f"could not start {proc.key}: {exc}") from None
+        finally:
+            os.close(events_w)
+        self.procs[proc.key] = popen
+        for stream, fd in (("stdout", popen.stdout.fileno()), ("stderr", popen.stderr.fileno()),
+                           ("events", events_r)):
+            os.set_blocking(fd, False)
+            self.readers[fd] = (proc.key, stream)
+            self.selector.register(fd, selectors.EVENT_READ)
+
+    # -- the contract --------------------------------------------------------------------
+    @property
+    def keys(self) -> list[str]:
+        return list(self.procs)
+
+    def _exits(self) -> list[ProcessExit]:
+        out = []
+        for key, popen in self.procs.items():
+            if key not in self.exited and popen.poll() is not None:
+                self.exited.add(key)
+                _killpg(popen.pid, signal.SIGKILL)  # whatever it started goes with it
+                out.append(ProcessExit(key, popen.pid, popen.returncode))
+        return out
+
+    def events(self, timeout: float):
+        out = []
+        if self.readers:
+            for sel_key, _ in self.selector.select(timeout):
+                out.extend(self._read(sel_key.fd))
+        elif len(self.exited) < len(self.procs):
+            time.sleep(min(timeout, 0.02))
+        return out + self._exits()
+
+    def _read(self, fd: int):
+        key, stream = self.readers[fd]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        if data:
+            return [OutputChunk(key, stream, data)]
+        self.selector.unregister(fd)
+        if stream == "events":
+            os.close(fd)
+        del self.readers[fd]
+        return []
+
+    def drain(self, timeout: float = 2.0):
+        out, deadline = [], time.monotonic() + timeout
+        while self.readers and time.monotonic() < deadline:
+            out.extend(self.events(0.05))
+        return out + self._exits()
+
+    def stop(self, grace: float = 1.0) -> None:
+        live = [p for k, p in self.procs.items() if p.poll() is None]
+        for popen in live:
+            _killpg(popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for popen in self.procs.values():
+            _killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+
+    def fetch(self, key: str, name: str) -> bytes | None:
+        root = self.roots.get(key)
+        try:
+            with open(os.path.join(root, name), "rb") as f:
+                return f.read()
+        except (OSError, TypeError):
+            return None
+
+    def request_stacks(self, keys) -> list[str]:
+        from taas.launch.process import stacks
+
+        return [k for k in keys if k in self.roots and stacks.request(self.roots[k], [k])]
+
+    def layers(self) -> list[tuple[str, str]]:
+        from taas.launch.local.jobdir import layers  # each private root has the job directory's layout
+
+        return [layer for root in self.roots.values() for layer in layers(root)]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.stop(0.5)
+        for fd, (_, stream) in list(self.readers.items()):
+            self.selector.unregister(fd)
+            if stream == "events":
+                os.close(fd)
+        self.readers.clear()
+        for popen in self.procs.values():
+            for pipe in (popen.stdout, popen.stderr):
+                pipe.close()
+        self.selector.close()
+        self.store = None
+        for root in self.roots.values():
+            from taas.launch.local.jobdir import remove
+
+            remove(root)
+        for entry, args in self.spec.cleanups:  # the caller frees them too; hooks are idempotent
+            module, _, function = entry.partition(":")
+            try:
+                import importlib
+
+                getattr(importlib.import_module(module), function)(*args)
+            except Exception:  # a hook's errors are ignored (launch.api: LaunchSpec.cleanups)
+                pass
+        self.closed = True
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _run(root: str, parent: int) -> int:
+    """The process side: a fresh interpreter becomes the process described in ``root``."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the kernel
+    if os.getppid() != parent:
+        return 70
+    with open(os.path.join(root, "spec.pkl"), "rb") as f:
+        spec, cwd = pickle.load(f)
+    from taas.launch.local.starter import apply_storage
+
+    os.chdir(cwd)
+    warning, storage = apply_storage(spec, cwd)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # a new namespace reset it
+    if os.getppid() != parent:
+        return 70
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ["TAAS_STORAGE"] = storage
+    if warning:
+        os.environ["TAAS_STORAGE_WARNING"] = warning
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    module, _, function = spec.entry.partition(":")
+    import importlib
+
+    return getattr(importlib.import_module(module), function)(spec)
+
+
+if __name__ == "__main__":
+    code = _run(sys.argv[1], int(sys.argv[2]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)

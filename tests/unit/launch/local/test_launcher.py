@@ -1,0 +1,196 @@
+"""The local launcher with real processes: output, exit codes, signals, and nothing left behind."""
+
+import pathlib
+import time
+
+import psutil
+import pytest
+
+from taas.launch.api import LaunchSpec, OutputChunk, ProcessExit, ProcessSpec
+from taas.launch.local.launcher import LocalLauncher
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    launcher = LocalLauncher()
+    yield launcher
+    pid = launcher.starter_pid
+    launcher.shutdown()
+    if pid:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def run(launcher, tmp_path, entry, n=2, env=None, timeout=300.0, stop_after=None, args=(), cleanups=()):
+    spec = LaunchSpec(
+        job_id=f"t{time.monotonic_ns()}",
+        cwd=str(tmp_path),
+        processes=tuple(
+            ProcessSpec(key=f"rank{i}", entry=f"tests.support.launch_targets:{entry}", env=dict(env or {}), args=args)
+            for i in range(n)
+        ),
+        cleanups=cleanups,
+    )
+    job = launcher.start(spec)
+    pids = job.pids
+    output: dict[tuple[str, str], bytes] = {}
+    exits: dict[str, int] = {}
+    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    stopped = False
+    while len(exits) < n:
+        assert time.monotonic() < deadline, "job did not end"
+        if stop_after is not None and not stopped and time.monotonic() - started > stop_after:
+            job.stop(grace=0.5)
+            stopped = True
+        for ev in job.events(0.05):
+            if isinstance(ev, OutputChunk):
+                output[(ev.key, ev.stream)] = output.get((ev.key, ev.stream), b"") + ev.data
+            elif isinstance(ev, ProcessExit):
+                exits[ev.key] = ev.returncode
+    for ev in job.drain():
+        if isinstance(ev, OutputChunk):
+            output[(ev.key, ev.stream)] = output.get((ev.key, ev.stream), b"") + ev.data
+    job.close()
+    return pids, exits, output
+
+
+def assert_gone(pids, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    assert not alive, f"processes survived: {alive}"
+
+
+def test_echo_streams_both_outputs(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "echo")
+    assert exits == {"rank0": 0, "rank1": 0}
+    for key in ("rank0", "rank1"):
+        assert f"hello from {key}".encode() in output[(key, "stdout")]
+        assert output[(key, "stderr")] == b"to stderr\n"
+    assert_gone(pids.values())
+
+
+def test_env_cwd_and_own_process_group(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "env_and_cwd", n=1, env={"TAAS_TEST_VALUE": "42"})
+    assert exits == {"rank0": 0}
+    assert output[("rank0", "stdout")].decode().split() == ["42", str(tmp_path), "True"]
+
+
+def test_raise_gives_exit_1_and_traceback_on_stderr(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "raise_error")
+    assert exits == {"rank0": 70, "rank1": 70}
+    assert b"ValueError: boom in rank0" in output[("rank0", "stderr")]
+    assert_gone(pids.values())
+
+
+def test_sys_exit_code(launcher, tmp_path):
+    pids, exits, _ = run(launcher, tmp_path, "exit_3")
+    assert exits == {"rank0": 3, "rank1": 3}
+
+
+def test_segfault_is_a_signal_exit(launcher, tmp_path):
+    pids, exits, _ = run(launcher, tmp_path, "segfault", n=1)
+    assert exits == {"rank0": -11}
+    assert_gone(pids.values())
+
+
+def test_ten_megabytes_of_output_do_not_deadlock(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "big_output", n=2)
+    assert exits == {"rank0": 0, "rank1": 0}
+    assert len(output[("rank1", "stdout")]) == 10 * 1024 * 1024 + 1
+
+
+def test_stop_ends_processes_and_their_children(launcher, tmp_path):
+    pids, exits, output = run(launcher, tmp_path, "hang_with_child", stop_after=2.0)
+    assert set(exits) == {"rank0", "rank1"} and all(code < 0 for code in exits.values())
+    children = [int(line.split()[1]) for key in ("rank0", "rank1")
+                for line in output.get((key, "stdout"), b"").decode().splitlines() if line.startswith("child")]
+    assert children, output
+    assert_gone(list(pids.values()) + children)
+
+
+def test_stop_kills_a_process_that_ignores_sigterm(launcher, tmp_path):
+    pids, exits, _ = run(launcher, tmp_path, "ignore_sigterm", n=1, stop_after=1.5)
+    assert exits == {"rank0": -9}
+    assert_gone(pids.values())
+
+
+def test_kernel_death_takes_the_start_process_and_jobs_down(tmp_path):
+    launcher = LocalLauncher()
+    freed = tmp_path / "freed"  # outside the job directory, which the start process removes
+    spec = LaunchSpec("dead", str(tmp_path),
+                      (ProcessSpec("rank0", "tests.support.launch_targets:hang"),),
+                      cleanups=(("tests.support.launch_targets:touch", (str(freed),)),))
+    job = launcher.start(spec)
+    pids = list(job.pids.values()) + [launcher.starter_pid]
+    # What a killed kernel does to the channel: its end closes.
+    launcher._conn.close()
+    launcher._sock.close()
+    assert_gone(pids)
+    launcher._proc.wait()
+    assert freed.exists()  # the job's cleanup hooks ran before the start process exited
+
+
+def test_cleanup_hooks_run_when_the_job_is_over(launcher, tmp_path):
+    first, last = tmp_path / "first", tmp_path / "last"
+    hooks = (("tests.support.launch_targets:touch", (str(first),)), ("tests.support.launch_targets:failing_hook", ()),
+             ("no.such.module:hook", ()), ("tests.support.launch_targets:touch", (str(last),)))
+    pids, exits, _ = run(launcher, tmp_path, "echo", cleanups=hooks)
+    assert exits == {"rank0": 0, "rank1": 0}
+    deadline = time.monotonic() + 60
+    while not last.exists():  # run after the last exit was reported
+        assert time.monotonic() < deadline, "the cleanup hooks did not run"
+        time.sleep(0.02)
+    assert first.exists()
+
+
+def test_a_spec_too_big_for_a_ready_child_still_starts(launcher, tmp_path):
+    """A loader worker's spec carries its loader's pickle: more than one message to a child
+    forked ahead can hold, so the start process forks that one on demand."""
+    big = b"x" * (3 << 20)
+    pids, exits, output = run(launcher, tmp_path, "args_size", n=2, args=(big,))
+    assert exits == {"rank0": 0, "rank1": 0}
+    assert output[("rank0", "stdout")] == output[("rank1", "stdout")] == f"{len(big)}\n".encode()
+    pids, exits, _ = run(launcher, tmp_path, "echo")  # the start process serves the next job as before
+    assert exits == {"rank0": 0, "rank1": 0}
+
+
+def test_kernel_death_during_a_stop_still_cleans_up(tmp_path):
+    """The kernel asks for a stop and dies before the answer: the start process must still
+    kill the job and remove its directory (its answer cannot be sent any more)."""
+    launcher = LocalLauncher()
+    spec = LaunchSpec("dying", str(tmp_path),
+                      (ProcessSpec("rank0", "tests.support.launch_targets:ignore_sigterm"),))
+    job = launcher.start(spec)
+    job_dir = pathlib.Path(job.job_dir)
+    assert job_dir.is_dir()
+    deadline = time.monotonic() + 30
+    while b"ready" not in b"".join(e.data for e in job.events(0.1) if isinstance(e, OutputChunk)):
+        assert time.monotonic() < deadline
+    pids = list(job.pids.values()) + [launcher.starter_pid]
+    launcher._conn.send(("stop", "dying", 5.0))
+    launcher._conn.close()
+    launcher._sock.close()
+    assert_gone(pids)
+    launcher._proc.wait()
+    assert not job_dir.exists()
+
+
+def test_removing_a_job_directory_never_touches_its_parent(tmp_path):
+    """A job directory that is already gone (the start process removed it first) must not make
+    the clean-up change the permissions of the directory that held it (the system's /tmp)."""
+    from taas.launch.local import jobdir
+
+    parent = tmp_path / "tmp"
+    parent.mkdir(mode=0o777)
+    parent.chmod(0o1777)
+    jobdir.remove(str(parent / "taas-gone"))
+    assert parent.stat().st_mode & 0o7777 == 0o1777
+    locked = parent / "taas-locked"
+    (locked / "work" / "inner").mkdir(parents=True)
+    (locked / "work" / "inner" / "f").write_text("x")
+    (locked / "work").chmod(0)
+    jobdir.remove(str(locked))
+    assert not locked.exists() and parent.stat().st_mode & 0o7777 == 0o1777

@@ -1,0 +1,219 @@
+"""The supervisor's states as data, and the supervisor driven by a scripted launcher: no
+processes anywhere in this module."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from taas.errors import JobFailed, LaunchError
+from taas.job.api import Job, Policy, World
+from taas.job.package import Payload
+from taas.launch.api import JobHandle, Launcher, OutputChunk, ProcessExit, RESULT, Topology, error_name
+from taas.supervisor.supervisor import Ev, InvalidTransition, Machine, State, Supervisor
+
+S = State
+
+# (max_restarts, has_loaders, events, expected states after each event)
+PATHS = [
+    (0, False, [Ev.STARTED, Ev.ALL_EXITED], [S.RUNNING, S.SUCCEEDED]),
+    (0, True, [Ev.STARTED, Ev.LOADERS_READY, Ev.LOADERS_READY, Ev.ALL_EXITED],
+     [S.PREFETCHING, S.RUNNING, S.RUNNING, S.SUCCEEDED]),
+    (0, True, [Ev.STARTED, Ev.ALL_EXITED], [S.PREFETCHING, S.SUCCEEDED]),  # ended during prefetch
+    (0, False, [Ev.STARTED, Ev.FAILURE, Ev.FAILURE, Ev.STOPPED], [S.RUNNING, S.STOPPING, S.STOPPING, S.FAILED]),
+    (0, False, [Ev.LAUNCH_FAILED], [S.FAILED]),
+    (0, False, [Ev.INTERRUPT], [S.INTERRUPTED]),
+    (0, False, [Ev.STARTED, Ev.TIMEOUT, Ev.STOPPED], [S.RUNNING, S.STOPPING, S.TIMED_OUT]),
+    (0, True, [Ev.STARTED, Ev.TIMEOUT, Ev.STOPPED], [S.PREFETCHING, S.STOPPING, S.TIMED_OUT]),
+    (0, False, [Ev.STARTED, Ev.INTERRUPT, Ev.STOPPED], [S.RUNNING, S.STOPPING, S.INTERRUPTED]),
+    # restarts: a failure with restarts left goes round; the last one fails
+    (2, False, [Ev.STARTED, Ev.FAILURE, Ev.STOPPED, Ev.RESTART, Ev.STARTED, Ev.ALL_EXITED],
+     [S.RUNNING, S.STOPPING, S.RESTARTING, S.PREPARING, S.RUNNING, S.SUCCEEDED]),
+    (1, False, [Ev.STARTED, Ev.FAILURE, Ev.STOPPED, Ev.RESTART, Ev.STARTED, Ev.FAILURE, Ev.STOPPED],
+     [S.RUNNING, S.STOPPING, S.RESTARTING, S.PREPARING, S.RUNNING, S.STOPPING, S.FAILED]),
+    # a timeout or an interrupt is never restarted
+    (3, False, [Ev.STARTED, Ev.TIMEOUT, Ev.STOPPED], [S.RUNNING, S.STOPPING, S.TIMED_OUT]),
+    (3, False, [Ev.STARTED, Ev.FAILURE, Ev.INTERRUPT, Ev.STOPPED],
+     [S.RUNNING, S.STOPPING, S.STOPPING, S.INTERRUPTED]),
+    (3, False, [Ev.STARTED, Ev.FAILURE, Ev.STOPPED, Ev.INTERRUPT], [S.RUNNING, S.STOPPING, S.RESTARTING, S.INTERRUPTED]),
+    (3, False, [Ev.STARTED, Ev.FAILURE, Ev.STOPPED, Ev.RESTART, Ev.INTERRUPT],
+     [S.RUNNING, S.STOPPING, S.RESTARTING, S.PREPARING, S.INTERRUPTED]),
+    (1, False, [Ev.STARTED, Ev.FAILURE, Ev.STOPPED, Ev.RESTART, Ev.LAUNCH_FAILED],
+     [S.RUNNING, S.STOPPING, S.RESTARTING, S.PREPARING, S.FAILED]),
+]
+
+
+@pytest.mark.parametrize("max_restarts, loaders, events, states", PATHS)
+def test_paths_through_the_states(max_restarts, loaders, events, states):
+    machine = Machine(max_restarts, has_loaders=loaders)
+    assert machine.state is S.PREPARING
+    assert [machine.on(event) for event in events] == states
+
+
+@pytest.mark.parametrize("state, event", [
+    (S.PREPARING, Ev.ALL_EXITED), (S.PREPARING, Ev.STOPPED), (S.RUNNING, Ev.STARTED),
+    (S.RUNNING, Ev.STOPPED), (S.RUNNING, Ev.RESTART), (S.STOPPING, Ev.ALL_EXITED),
+    (S.RESTARTING, Ev.STARTED), (S.SUCCEEDED, Ev.FAILURE), (S.FAILED, Ev.RESTART),
+])
+def test_impossible_transitions_are_refused(state, event):
+    machine = Machine(5)
+    machine.state = state
+    with pytest.raises(InvalidTransition):
+        machine.on(event)
+
+
+def test_restarts_count_and_history():
+    machine = Machine(2)
+    for event in (Ev.STARTED, Ev.FAILURE, Ev.STOPPED, Ev.RESTART) * 2:
+        machine.on(event)
+    assert machine.restarts == 2 and machine.state is S.PREPARING and machine.cause is None
+    assert machine.history[:5] == [S.PREPARING, S.RUNNING, S.STOPPING, S.RESTARTING, S.PREPARING]
+
+
+def test_every_state_is_reachable_and_finals_are_final():
+    reached = {s for _, _, _, states in PATHS for s in states} | {S.PREPARING}
+    assert reached == set(State)
+    assert {s for s in State if s.final} == {S.SUCCEEDED, S.FAILED, S.INTERRUPTED, S.TIMED_OUT}
+
+
+# -- the supervisor, driven by a scripted launcher ---------------------------------------------
+class ScriptedHandle(JobHandle):
+    """Plays one attempt's events; every process exits as the script says."""
+
+    def __init__(self, spec, script):
+        self.spec, self.script, self.stopped, self.closed = spec, list(script), False, False
+        self.files = {}
+
+    @property
+    def keys(self):
+        return [p.key for p in self.spec.processes]
+
+    def events(self, timeout):
+        return [self.script.pop(0)] if self.script else []
+
+    def drain(self, timeout=2.0):
+        out, self.script = self.script, []
+        return out
+
+    def stop(self, grace=1.0):
+        self.stopped = True
+        left = {e.key for e in self.script if isinstance(e, ProcessExit)}
+        self.script = [ProcessExit(k, 0, -15) for k in self.keys if k in left]
+
+    def fetch(self, key, name):
+        return self.files.get((key, name))
+
+    def request_stacks(self, keys):
+        return []
+
+    def layers(self):
+        return []
+
+    def close(self):
+        self.closed = True
+
+
+class ScriptedLauncher(Launcher):
+    def __init__(self, attempts):
+        self.attempts = list(attempts)  # one (script, files) per attempt
+        self.specs, self.handles = [], []
+
+    def start(self, spec):
+        self.specs.append(spec)
+        script, files = self.attempts.pop(0)
+        handle = ScriptedHandle(spec, script)
+        handle.files = files
+        self.handles.append(handle)
+        return handle
+
+    def topology(self, world):
+        return Topology(rank_nodes=(0,) * world)
+
+    def shutdown(self):
+        pass
+
+
+class Sink:
+    def __init__(self):
+        self.text = []
+
+    def write(self, stream, text):
+        self.text.append((stream, text))
+
+
+def _job(world=2, **policy):
+    payload = Payload(source="x = 1", filename="<cell>", first_line=1, names=b"", bound=("x",),
+                      device="cpu", backend="gloo", pg_timeout=60.0)
+    return Job("j1", "/nowhere", payload, World(world, "cpu", "gloo"), Policy(**policy))
+
+
+def _ok(world=2):
+    return ([OutputChunk("rank0", "stdout", b"hi\n")] + [ProcessExit(f"rank{r}", 0, 0) for r in range(world)],
+            {("rank0", RESULT): pickle.dumps({"values": {}, "skipped": {}, "out": None})})
+
+
+def _fail(rank=1, message="boom"):
+    record = {"time": 1.0, "exit_code": 1, "chain": [{"type": "ValueError", "module": "builtins",
+                                                     "text": f"ValueError: {message}",
+                                                     "frames": [], "relation": None}]}
+    import json
+
+    return ([ProcessExit(f"rank{rank}", 0, 1), ProcessExit(f"rank{1 - rank}", 0, -15)],
+            {(f"rank{rank}", error_name(f"rank{rank}")): json.dumps(record).encode()})
+
+
+def test_a_job_that_succeeds_brings_the_result_back_and_closes_its_attempt():
+    launcher, sink = ScriptedLauncher([_ok()]), Sink()
+    supervisor = Supervisor(launcher, _job(), sink)
+    outcome = supervisor.run()
+    assert outcome.result is not None and outcome.exit_codes == {"rank0": 0, "rank1": 0}
+    assert supervisor.machine.history == [S.PREPARING, S.RUNNING, S.SUCCEEDED]
+    spec = launcher.specs[0]
+    assert [p.rank for p in spec.processes] == [0, 1] and spec.restart == 0
+    assert pickle.loads(spec.files["payload.pkl"]).source == "x = 1"
+    assert launcher.handles[0].closed and ("stdout", "[rank0] hi\n") in sink.text
+
+
+def test_a_failure_restarts_with_the_next_count_and_one_line():
+    launcher, sink = ScriptedLauncher([_fail(message="first"), _ok()]), Sink()
+    supervisor = Supervisor(launcher, _job(max_restarts=2), sink)
+    supervisor.run()
+    assert [s.restart for s in launcher.specs] == [0, 1]
+    assert [s.max_restarts for s in launcher.specs] == [2, 2]
+    assert ("stderr", "taas: restart 1/2: rank1 failed: ValueError: first\n") in sink.text
+    assert all(h.closed for h in launcher.handles)
+    assert supervisor.machine.history[-3:] == [S.PREPARING, S.RUNNING, S.SUCCEEDED]
+
+
+def test_the_last_failure_is_raised_with_the_restart_count():
+    launcher = ScriptedLauncher([_fail(message="a"), _fail(message="b")])
+    supervisor = Supervisor(launcher, _job(max_restarts=1), Sink())
+    with pytest.raises(JobFailed) as info:
+        supervisor.run()
+    assert str(info.value) == "rank1 failed: ValueError: b (after 1 restart)"
+    assert supervisor.machine.state is S.FAILED and len(launcher.specs) == 2
+
+
+def test_a_launch_error_fails_the_job_at_once():
+    class Refusing(ScriptedLauncher):
+        def start(self, spec):
+            raise LaunchError("no room")
+
+    supervisor = Supervisor(Refusing([]), _job(max_restarts=3), Sink())
+    with pytest.raises(LaunchError):
+        supervisor.run()
+    assert supervisor.machine.history == [S.PREPARING, S.FAILED]
+
+
+def test_an_error_while_preparing_fails_the_job():
+    """Anything that goes wrong before the processes start (a registered loader that cannot
+    be sent, say) ends the job as failed, not stuck in PREPARING."""
+    class Broken(ScriptedLauncher):
+        def start(self, spec):
+            raise OSError("the disk went away")
+
+    supervisor = Supervisor(Broken([]), _job(), Sink())
+    with pytest.raises(OSError):
+        supervisor.run()
+    assert supervisor.machine.history == [S.PREPARING, S.FAILED]
