@@ -1,6 +1,6 @@
 """One node's agent for the Ray launcher: the local launcher, kept warm, driven by actor calls.
 
-:class:`NodeAgent` is a plain class; :mod:`taas.launch.ray.launcher` makes it a Ray actor, one
+:class:`NodeAgent` is a plain class; :mod:`taas.launch.ray.cluster` makes it a Ray actor, one
 per node (pinned with ``NodeAffinitySchedulingStrategy``, ``num_cpus=0``, owned by the
 kernel's Ray connection, so it dies with it).  It wraps a :class:`~taas.launch.local.launcher.LocalLauncher`:
 its warm start process, fork-ahead, pipes, process groups, parent-death signals and subreaper
@@ -34,14 +34,14 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from taas.launch.local import jobdir
-from taas.launch.ray import node_watch
 from taas.launch import rendezvous
-from taas.workdir import sync as workdir_sync
 from taas.launch.api import LaunchSpec
-from taas.launch.local.launcher import LocalJob, LocalLauncher
+from taas.launch.local import jobdir
+from taas.launch.local.launcher import LocalLauncher
+from taas.launch.ray import node_watch
+from taas.workdir import sync as workdir_sync
 
 _SLICE = 0.05  # how long one read of the job's pipes holds the lock
 WATCH_EVERY = 0.5  # seconds between two looks at whether the kernel is still there
@@ -82,7 +82,7 @@ class NodeAgent:
         self._launcher = LocalLauncher()
         self._launcher.warm()  # the start process imports torch while the kernel gets ready
         self._lock = threading.Lock()
-        self._job: LocalJob | None = None
+        self._job = None  # the local job handle of this node's share, while one runs
         self._stores: dict[str, object] = {}
         self._copies: dict[str, tuple[str, dict]] = {}  # kernel's cwd -> (copy here, its manifest)
         self._polled = time.monotonic()  # the kernel's last call
@@ -96,7 +96,7 @@ class NodeAgent:
         lost), rather than when Ray gets round to ending this actor, which can take many
         seconds on a busy cluster.
 
-        Gone is an event, not a silence: ``kernel_gone()`` (given by the launcher: whether
+        Gone is an event, not a silence: ``kernel_gone()`` (given by the cluster: whether
         the kernel's Ray driver has ended, which Ray records as soon as the driver's
         connection closes) says so.  A slow kernel is never taken for a dead one: only when
         ``kernel_gone`` cannot tell (None) does a silence of SILENT s count."""

@@ -8,10 +8,14 @@ that had not exited: they died with it.  Their failure reports (``fetch``) then 
 the node: the node holds no report of its own any more, and "killed by SIGKILL" alone would not
 tell the user that a whole machine's share of the job went.
 
-Nodes that do not share the notebook's working directory (``RayLauncher.copy_nodes``) get it
-copied before the attempt starts (:meth:`RayJob._ship`), and once its processes are stopped
-what the writers there changed comes back (:meth:`RayJob._bring_back`, before the layers are
-merged, so that rank 0's files count as written during the job), rank 0's node last.
+Nodes that do not share the notebook's working directory (``RayCluster.copy_nodes``) get it
+copied before the attempt starts, and once its processes are stopped what the writers there
+changed comes back (:mod:`taas.launch.ray.copies`).
+
+The job talks to the rest of the launcher through public calls only: the cluster's agent pool
+(:class:`~taas.launch.ray.cluster.RayCluster`: ``agent``, ``forget``, ``copy_nodes``) and the
+GPU reservation (:class:`~taas.launch.ray.reservation.Reservation`: ``hold`` at launch,
+``let_go`` at close), both given to its constructor.
 """
 
 from __future__ import annotations
@@ -22,36 +26,53 @@ import logging
 import os
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from taas.errors import LaunchError
-from taas.launch.ray import placement
-from taas.launch.api import Event, JobHandle, LaunchSpec, ProcessExit, error_name
-
-if TYPE_CHECKING:
-    from taas.launch.ray.launcher import RayLauncher
+from taas.io import keys
+from taas.launch import rendezvous
+from taas.launch.api import (
+    Event,
+    JobHandle,
+    LaunchSpec,
+    ProcessExit,
+    ProcessSpec,
+    error_name,
+)
+from taas.launch.ray import placement, reservation
+from taas.launch.ray.cluster import CALL_TIMEOUT, RayCluster, message
+from taas.launch.ray.copies import WorkdirCopies
+from taas.launch.ray.reservation import Reservation
 
 log = logging.getLogger(__name__)
 
 _LONG_POLL = 1.0  # seconds an agent's events() call waits for something to report
-_CALL_TIMEOUT = 120.0  # an agent call that should be quick (a cold agent imports torch)
 
 
-def _message(exc: BaseException) -> str:
-    """The first line of what went wrong in an agent (a RayTaskError carries the cause)."""
-    cause = getattr(exc, "cause", None) or exc
-    text = str(cause).strip().splitlines()
-    return text[-1] if text else type(cause).__name__
+@dataclasses.dataclass(frozen=True)
+class Workdir:
+    """How the notebook's working directory reaches the nodes: ``mode`` (auto, shared, copy:
+    :data:`taas.workdir.sync.MODES`) and ``limit`` (bytes a copy may take; None:
+    ``$TAAS_WORKDIR_LIMIT``, else 1 GiB)."""
+
+    mode: str = "auto"
+    limit: int | None = None
 
 
 class RayJob(JobHandle):
-    """An attempt spread over agents: their events merged, stop/fetch/stacks routed by node."""
+    """An attempt spread over agents: their events merged, stop/fetch/stacks routed by node.
 
-    def __init__(self, launcher: "RayLauncher", ray, spec: LaunchSpec, attempt: str):
-        self._launcher = launcher
-        self._ray = ray
+    It uses the cluster's agent pool (``cluster``: :meth:`RayCluster.agent`,
+    :meth:`~RayCluster.forget` the agent of a node that failed, :meth:`~RayCluster.copy_nodes`)
+    and holds the GPU ``reservation`` from :meth:`launch` until :meth:`close`."""
+
+    def __init__(self, cluster: RayCluster, reservation: Reservation, spec: LaunchSpec,
+                 workdir: Workdir = Workdir()):
+        self._cluster = cluster
+        self._reservation = reservation
+        self._ray = cluster.connect()
         self._spec = spec
-        self._attempt = attempt
+        self._workdir = workdir
+        self._attempt = spec.attempt
         self._keys = [p.key for p in spec.processes]
         self._node_of: dict[str, str] = {}
         self._ip_of: dict[str, str] = {}  # node id -> its address, for messages
@@ -63,39 +84,53 @@ class RayJob(JobHandle):
         self._exited: set[str] = set()
         self._pending: list[Event] = []
         self._store_node: str | None = None
-        self._workdirs: dict[str, str] = {}  # node id -> its copy of the working directory
-        self._snapshot: dict[str, tuple] = {}  # the working directory's manifest they started from
-        self._brought = False
-        self._layer_root: str | None = None  # copy nodes' layers, fetched for the merge
+        self._copies = WorkdirCopies(self._ray, spec.cwd, self._attempt, workdir.limit)
         self._stopped = False
         self.closed = False
 
-    def _launch(self, plan: placement.Plan, nodes: dict[str, placement.Node]) -> None:
-        from taas.launch import rendezvous
+    @property
+    def node_ids(self) -> list[str]:
+        """The nodes whose agents this attempt uses."""
+        return list(self._agents)
 
-        ray, spec = self._ray, self._spec
+    def launch(self, plan: placement.Plan, nodes: dict[str, placement.Node]) -> None:
+        """Start the attempt where ``plan`` says (``nodes``: the cluster's, by id): reserve the
+        GPUs, start or reuse the nodes' agents, copy the working directory where a node needs
+        it, host the rendezvous store on the plan's node 0, and start each node's share."""
+        spec = self._spec
         if plan.by == "GPU":  # reserve the GPUs where the plan puts the ranks
-            self._launcher._reserve([{"GPU": 1, f"node:{nodes[n].ip}": 0.001} for n in plan.rank_nodes],
-                                    self._attempt)
+            self._reservation.hold(reservation.bundles([nodes[n].ip for n in plan.rank_nodes]),
+                                   self._attempt)
+        for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):
+            self._agents[node_id] = self._cluster.agent(nodes[node_id])
+            self._ip_of[node_id] = nodes[node_id].ip
+        copies = self._cluster.copy_nodes(list(self._agents), spec.cwd, self._workdir.mode)
+        if copies:
+            self._copies.ship({n: self._agents[n] for n in sorted(copies)}, self._ip_of)
+        master, port = "", 0
+        if spec.world_size:
+            self._store_node = plan.nodes[0].node_id
+            master, port = self._get(self._agents[self._store_node].host_store.remote(
+                self._attempt, spec.world_size))
+        per_node = self._place(plan, nodes, master, port)
+        self._start_shares(per_node, nodes)
+
+    def _place(self, plan: placement.Plan, nodes: dict[str, placement.Node], master: str,
+               port: int) -> dict[str, list[ProcessSpec]]:
+        """Each node's processes of the attempt: ranks where the plan puts them (with torchrun's
+        environment for the store at ``master:port``), a transport's relay on the plan's node
+        it names, loader workers round the plan's worker nodes."""
+        spec = self._spec
         ranks = iter(zip(plan.rank_nodes, plan.places))
         workers = iter(plan.worker_nodes)
-        per_node: dict[str, list] = defaultdict(list)
-        world = sum(1 for p in spec.processes if p.rank is not None)
-        for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):
-            self._agents[node_id] = self._launcher._agent(nodes[node_id])
-            self._ip_of[node_id] = nodes[node_id].ip
-        copies = self._launcher.copy_nodes(list(self._agents), spec.cwd)
-        if copies:
-            self._ship(sorted(copies), nodes)
-        if world:
-            self._store_node = plan.nodes[0].node_id
-            master, port = self._get(self._agents[self._store_node].host_store.remote(self._attempt, world))
+        per_node: dict[str, list[ProcessSpec]] = defaultdict(list)
         for proc in spec.processes:
             if proc.rank is not None:
                 node_id, place = next(ranks)
                 assert place.rank == proc.rank, "the supervisor numbers ranks 0..N-1 in order"
-                env = dict(proc.env, **rendezvous.torchrun_env(place, world, master, port, spec.job_id,
-                                                                spec.restart, spec.max_restarts),
+                env = dict(proc.env, **rendezvous.torchrun_env(place, spec.world_size, master, port,
+                                                                spec.job_id, spec.restart,
+                                                                spec.max_restarts),
                            NODE_RANK=str(place.group_rank))  # Lightning's name for GROUP_RANK
                 proc = dataclasses.replace(proc, env=env)
             elif proc.node is not None:  # the data transport's relay for GPU node <g>
@@ -105,17 +140,24 @@ class RayJob(JobHandle):
                 node_id = next(workers)
             per_node[node_id].append(proc)
             self._node_of[proc.key] = node_id
+        return per_node
+
+    def _start_shares(self, per_node: dict[str, list[ProcessSpec]],
+                      nodes: dict[str, placement.Node]) -> None:
+        """Hand each node's share to its agent, all at once, and wait for every agent's answer
+        (raises LaunchError naming each node that failed)."""
+        ray, spec = self._ray, self._spec
         files = ray.put(spec.files)
         shared = [ray.put(_read_fd(fd)) for fd in spec.shared_fds]
         calls = {}
         for node_id, procs in per_node.items():
-            cwd = self._workdirs.get(node_id, spec.cwd)  # the node's copy, where it has one
+            cwd = self._copies.cwd_of(node_id)  # the node's copy, where it has one
             sub = LaunchSpec(spec.job_id, cwd, tuple(procs), {}, (), spec.device, spec.restart,
                              spec.max_restarts, spec.cleanups, placed=True)
             calls[node_id] = self._agents[node_id].start.remote(sub, files, *shared)
         errors = []
         starting = {ref: node_id for node_id, ref in calls.items()}
-        deadline = time.monotonic() + _CALL_TIMEOUT
+        deadline = time.monotonic() + CALL_TIMEOUT
         while starting:
             # A node that started is polled at once and again while others still start (a
             # fresh agent's start process may still be importing torch): its output streams
@@ -129,73 +171,27 @@ class RayJob(JobHandle):
                     self._pids.update(ray.get(ref))
                     self._poll(node_id)
                 except Exception as exc:  # broad: a LaunchError in the agent or any Ray error
-                    errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
+                    errors.append(f"node {nodes[node_id].ip}: {message(exc)}")
                     if not isinstance(getattr(exc, "cause", None), LaunchError):
-                        self._launcher._forget(node_id)  # the agent itself failed: a fresh one next time
+                        self._cluster.forget(node_id)  # the agent itself failed: a fresh one next time
             if self._polls:
                 self._wait(0)  # events that came meanwhile are kept in order for events()
             if starting and time.monotonic() >= deadline:
                 for node_id in starting.values():
-                    errors.append(f"node {nodes[node_id].ip}: its agent did not answer in {_CALL_TIMEOUT:.0f} s")
-                    self._launcher._forget(node_id)
+                    errors.append(f"node {nodes[node_id].ip}: its agent did not answer in {CALL_TIMEOUT:.0f} s")
+                    self._cluster.forget(node_id)
                 break
         if errors:
             raise LaunchError("could not start the job: " + "; ".join(errors))
 
-    def _ship(self, copies: list[str], nodes: dict[str, placement.Node]) -> None:
-        """Bring each node of ``copies``' copy of the working directory up to date."""
-        from taas.workdir import sync as workdir_sync
-
-        cwd = self._spec.cwd
-        manifest = workdir_sync.scan(cwd)
-        limit = self._launcher.workdir_limit
-        workdir_sync.check_size(manifest, workdir_sync.limit_from_env() if limit is None else limit, cwd)
-        needs = {n: self._agents[n].workdir_need.remote(cwd, manifest) for n in copies}
-        packs: dict[tuple, object] = {}  # what a node lacks -> its entries, put once
-        updates = {}
-        for node_id, ref in needs.items():
-            need = tuple(self._get(ref))
-            if need not in packs:
-                packs[need] = self._ray.put(workdir_sync.pack(cwd, manifest, list(need)))
-            updates[node_id] = self._agents[node_id].workdir_update.remote(cwd, manifest, packs[need])
-        errors = []
-        for node_id, ref in updates.items():
-            try:
-                self._workdirs[node_id] = self._get(ref)
-            except Exception as exc:  # broad: the agent's LaunchError or any Ray error, told as one line
-                errors.append(f"node {nodes[node_id].ip}: {_message(exc)}")
-        if errors:
-            raise LaunchError("could not copy the working directory: " + "; ".join(errors))
-        self._snapshot = manifest
-
     def _bring_back(self) -> None:
-        """Once the attempt's processes are gone: what they changed in the copies of the
-        working directory, from the nodes whose processes may write it (rank 0; every process
-        under ``--storage shared``), into the working directory; rank 0's node last (its
-        version wins).  Every copy's agent rescans its copy, writers or not."""
-        if self._brought or not self._workdirs:
-            return
-        self._brought = True
-        from taas.workdir import sync as workdir_sync
-
-        cwd = self._spec.cwd
+        """What the attempt's processes changed in the nodes' copies, into the working
+        directory (:meth:`WorkdirCopies.bring_back`): once they are gone."""
         writers = {self._node_of[p.key] for p in self._spec.processes
                    if p.storage == "shared" and p.key in self._node_of}
-        refs = {n: self._agents[n].workdir_changes.remote(cwd) for n in self._workdirs if n in self._agents}
-        rank0 = self._node_of.get("rank0")
-        for node_id in sorted(refs, key=lambda n: n == rank0):
-            try:
-                entries, deleted = self._get(refs[node_id])
-            except Exception as exc:  # broad: a lost node's files are lost with it
-                log.warning("could not bring the working directory back from node %s: %s",
-                            node_id, _message(exc))
-                continue
-            if node_id in writers:
-                failed = workdir_sync.apply(cwd, entries, deleted, keep_if=self._snapshot)
-                if failed:
-                    log.warning("could not write back into %s: %s", cwd, ", ".join(failed[:4]))
+        self._copies.bring_back(self._agents, writers, self._node_of.get(keys.rank_key(0)))
 
-    def _get(self, ref, timeout: float = _CALL_TIMEOUT):
+    def _get(self, ref, timeout: float = CALL_TIMEOUT):
         return self._ray.get(ref, timeout=timeout)
 
     def _poll(self, node_id: str) -> None:
@@ -251,13 +247,13 @@ class RayJob(JobHandle):
         the agent as its parent)."""
         self._finished.add(node_id)
         self._lost.setdefault(node_id, time.time())
-        self._launcher._forget(node_id)
+        self._cluster.forget(node_id)
         for key, where in self._node_of.items():
             if where == node_id and key not in self._exited:
                 self._exited.add(key)
                 self._pending.append(ProcessExit(key, self._pids.get(key, 0), -9))
 
-    def _each(self, call, *args, timeout: float = _CALL_TIMEOUT) -> dict[str, object]:
+    def _each(self, call, *args, timeout: float = CALL_TIMEOUT) -> dict[str, object]:
         """Call every agent of the attempt at once; node id -> answer (dead agents left out)."""
         refs = {node_id: getattr(agent, call).remote(*args) for node_id, agent in self._agents.items()}
         out = {}
@@ -322,28 +318,10 @@ class RayJob(JobHandle):
         directory, else fetched from the node into a directory of the kernel's (removed at
         :meth:`close`)."""
         self._bring_back()
-        out = [layer for node_id, found in self._each("layers").items() if node_id not in self._workdirs
+        out = [layer for node_id, found in self._each("layers").items() if node_id not in self._copies
                for layer in found]
-        if self._workdirs:
-            import tempfile
-
-            from taas.launch.local import jobdir
-            from taas.workdir import sync as workdir_sync
-
-            for node_id, found in self._each("layer_entries").items():
-                if node_id not in self._workdirs:
-                    continue
-                for name, entries in found:
-                    try:  # never raises: the supervisor closes the job right after the merge
-                        if self._layer_root is None:
-                            self._layer_root = tempfile.mkdtemp(prefix=f"taas-{self._attempt}-layers-")
-                        upper = os.path.join(self._layer_root, name)
-                        os.mkdir(upper)
-                    except OSError as exc:
-                        log.warning("%s", jobdir.no_room(f"fetch {name}'s layer", exc))
-                        continue
-                    workdir_sync.apply(upper, entries)
-                    out.append((name, upper))
+        if self._copies.paths:
+            out += self._copies.fetch_layers(self._each("layer_entries"))
         return out
 
     def close(self) -> None:
@@ -358,11 +336,8 @@ class RayJob(JobHandle):
                 self._each_one(self._store_node, "close_store", self._attempt)
         finally:
             self._polls.clear()
-            if self._layer_root is not None:
-                from taas.launch.local import jobdir
-
-                jobdir.remove(self._layer_root)
-            self._launcher._job_ended()
+            self._copies.remove()
+            self._reservation.let_go(self._attempt)
 
     def _each_one(self, node_id: str, call: str, *args) -> None:
         try:

@@ -80,7 +80,6 @@ def _watch(agent_pid: int) -> None:
 def after(agent_pid: int) -> None:
     """What the watcher does once ``agent_pid`` is gone (also callable directly, in tests)."""
     from taas.launch.local.jobdir import remove
-    from taas.launch.local.starter import _run_cleanups
     from taas.workdir.sync import COPY_PREFIX
 
     path = _record_path(agent_pid)
@@ -89,7 +88,7 @@ def after(agent_pid: int) -> None:
             recorded = pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError):  # none recorded, or a torn file
         recorded = {}
-    _run_cleanups(recorded.get("hooks", []))
+    _run_hooks(recorded.get("hooks", []))
     for job_dir in recorded.get("dirs", []):  # gone already where the job ended normally
         if os.path.isdir(job_dir):
             remove(job_dir)
@@ -99,6 +98,20 @@ def after(agent_pid: int) -> None:
         pass
     for copy in glob.glob(os.path.join(tempfile.gettempdir(), f"{COPY_PREFIX}{agent_pid}-*")):
         remove(copy)
+
+
+def _run_hooks(hooks) -> None:
+    """Run ``LaunchSpec.cleanups``: ``("module:function", args)`` each, as the contract says
+    (:class:`taas.launch.api.LaunchSpec`).  Here, not the start process's runner: the watcher
+    runs only the contract, whatever the local launcher's modules become."""
+    import importlib
+
+    for entry, args in hooks:
+        try:
+            module, _, name = entry.partition(":")
+            getattr(importlib.import_module(module), name)(*args)
+        except Exception:  # broad: a hook's error must not stop the rest; each is idempotent
+            pass
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ def test_without_any_gpu_ranks_take_cpus():
 
 
 @pytest.mark.parametrize("nodes, ranks, mentions", [
-    (SIMULATED, 5, "--gpus 5 asks for more GPUs than the cluster has (4 GPUs (2 on 127.0.1.1, "
-                   "2 on 127.0.1.2), 13 CPUs on 5 nodes); use --gpus 4 or fewer"),
+    (SIMULATED, 5, ("--gpus 5 asks for more GPUs than the cluster has (4 GPUs (2 on 127.0.1.1, "
+                    "2 on 127.0.1.2), 13 CPUs on 5 nodes); use --gpus 4 or fewer")),
     ([GPU_A], 3, "(2 GPUs (2 on 127.0.1.1), 2 CPUs on 1 node)"),
     ([CPU_C], 5, "more CPUs than the cluster has"),
     ([Node("x", "127.0.0.1")], 1, "no GPU and no CPU"),
