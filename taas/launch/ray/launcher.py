@@ -15,10 +15,10 @@
 taas never starts a Ray cluster: ``address`` is what ``ray.init(address=...)`` takes of a
 running one (``"auto"``, ``"10.0.0.1:6379"``, ``"ray://HOST:10001"``).  Through Ray Client
 (``ray://``) the kernel is no Ray driver: the head's client server runs one for it (a proxy),
-which owns the agents; the data hub then listens on the kernel's address towards that server.  If the kernel is already
-connected (the user called ``ray.init``), that connection is used as it is.  Ray's own log
-forwarding is off for a connection taas makes: output travels through the agents, whole and in
-order, to the kernel's output router.
+which owns the agents; the data hub then listens on the kernel's address towards that server.
+If the kernel is already connected (the user called ``ray.init``), that connection is used as
+it is.  Ray's own log forwarding is off for a connection taas makes: output travels through the
+agents, whole and in order, to the kernel's output router.
 
 Agents are actors owned by the kernel's connection (not detached): they stay warm between
 cells and die with it -- and their start processes, ranks and loader workers with them.  An
@@ -30,13 +30,14 @@ simulated cluster) starts its processes there, and the kernel reads the ``--stor
 uppers of its ranks from the paths its agent reports.  A node that does not gets a copy, kept
 per kernel on the node and updated before each job; after the job, what its processes allowed
 to write the directory changed comes back, and its layers travel to the kernel to be merged
-(:mod:`taas.workdir.sync`, :mod:`taas.launch.ray.copies`).  ``workdir`` says which nodes are which: ``"auto"`` (the
-kernel writes a marker file in the directory and asks each agent whether it sees it, once per
-node and directory), ``"shared"`` or ``"copy"`` (every node).
-Registered loaders' units travel over TCP (the session picks TCP from :meth:`RayLauncher.topology`): loader workers
-on the CPU nodes, a relay on each GPU node of the job filling its ranks' shared memory.  The
-kernel's resident big tensors travel through
-the object store, copied once per node.
+(:mod:`taas.workdir.sync`, :mod:`taas.launch.ray.copies`).  ``workdir`` says which nodes are
+which: ``"auto"`` (the kernel writes a marker file in the directory and asks each agent whether
+it sees it, once per node and directory), ``"shared"`` or ``"copy"`` (every node).
+
+Registered loaders' units travel over TCP (the session picks TCP from
+:meth:`RayLauncher.topology`): loader workers on the CPU nodes, a relay on each GPU node of the
+job filling its ranks' shared memory.  The kernel's resident big tensors travel through the
+object store, copied once per node.
 """
 
 from __future__ import annotations
