@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from taas import directive
 from taas.errors import LaunchError
@@ -43,6 +44,9 @@ from taas.launch.local.launcher import LocalLauncher
 from taas.rank import comm
 from taas.supervisor.supervisor import Supervisor
 from taas.workdir.cwd import working_directory
+
+if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
+    from taas.data.plane import DataPlane
 
 __all__ = ["CellResult", "JobStats", "Session", "launcher_from_env", "transport_for",
            "working_directory"]
@@ -191,18 +195,20 @@ class Session:
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
         launcher = self.launcher_for(address)
-        job, big = self._job(launcher, cwd, source, filename, first_line, namespace, options, sink,
-                             hidden, name_for)
+        job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
+                                    options, sink, hidden, name_for)
         self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
-                             loaders=sorted(i.name for i in job.data.loaders) if job.data else [],
+                             loaders=sorted(i.name for i in plane.loaders) if plane else [],
                              config=options.config, cluster=address)
-        return self._run(launcher, job, big, self.last, sink, name_for)
+        return self._run(launcher, job, plane, big, self.last, sink, name_for)
 
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
-             options: directive.JobOptions, sink: Sink, hidden: frozenset, name_for) -> tuple[Job, BigValues]:
-        """The cell as a Job, with the BigValues its big arrays went out through (the caller
-        closes them).  Everything that can fail before launch fails here: a syntax error, a value
-        that cannot be shipped, more processes than the launcher has room for."""
+             options: directive.JobOptions, sink: Sink, hidden: frozenset,
+             name_for) -> tuple[Job, DataPlane | None, BigValues]:
+        """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
+        arrays went out through (the caller closes them).  Everything that can fail before
+        launch fails here: a syntax error, a value that cannot be shipped, more processes than
+        the launcher has room for."""
         cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
         local_cuda = cuda_devices if launcher is self.launcher else cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices, launcher.where)
@@ -244,9 +250,10 @@ class Session:
             data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
             env=_process_env(world), shared_fds=tuple(big.fds),  # resident big tensors
             cleanups=tuple(big.cleanups()),
-        ), big
+        ), plane, big
 
-    def _run(self, launcher, job: Job, big: BigValues, stats: JobStats, sink: Sink, name_for) -> CellResult:
+    def _run(self, launcher, job: Job, plane: DataPlane | None, big: BigValues, stats: JobStats,
+             sink: Sink, name_for) -> CellResult:
         """``job`` through the supervisor; rank 0's results for the notebook.  ``stats`` follows
         the supervisor's states and gets the job's figures however it ends."""
         supervisor = Supervisor(launcher, job, sink, name_for=name_for,
@@ -258,8 +265,8 @@ class Session:
             alone = comm.note(job.world.size, outcome.comm_ops)
             if alone:
                 sink.write("stderr", alone + "\n")
-            if job.data is not None:
-                stats.data = job.data.summary()
+            if plane is not None:
+                stats.data = plane.summary()
                 sink.write("stderr", "".join(line + "\n" for line in stats.data))
             if not job.policy.results or outcome.result is None:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
@@ -273,7 +280,7 @@ class Session:
             stats.restarts = supervisor.machine.restarts
 
     # ------------------------------------------------------------------------------------
-    def _data_plane(self, values: dict, options, world: int, device: str):
+    def _data_plane(self, values: dict, options, world: int, device: str) -> DataPlane | None:
         """Registered loaders the cell reads leave ``values`` (loader workers get them; the
         ranks get views): their DataPlane, or None."""
         from taas.data.plane import DataPlane
