@@ -1,11 +1,19 @@
-"""One kernel's taas: turns a cell into a job and runs it.  No IPython here.
+"""One kernel's taas, the composition root: where a cell runs, the Job it becomes, its run.
+No IPython here.
 
-    options ──resolve──> World (ranks, device, backend)
-    cell ──analyse──> free names ──select+ship──> Payload            (fails before launch)
-    registered loaders the cell reads ──> DataPlane
-    Job(payload, world, policy, data) ──> Supervisor(launcher).run()  (taas.supervisor.supervisor: states,
-                                                                      output, failure, restarts)
-    rank 0's results ──> names and Out[] for the notebook
+    where     launcher_for(): this machine's launcher, or a Ray cluster's
+              transport_for(launcher.topology()): the data plane's transport (shm or TCP)
+    cell      options ──resolve──> World (ranks, device, backend)          Session._job
+              cell ──analyse──> free names ──select+ship──> Payload       (fails before launch)
+              registered loaders the cell reads ──> DataPlane
+    run       Job ──> Supervisor(launcher).run()                           Session._run
+              (taas.supervisor.supervisor: states, output, failure, restarts)
+    results   rank 0's result.pkl ──taas.job.results──> names, Out[] and notes for the notebook
+
+What has a job of its own lives in its own room: the result format (:mod:`taas.job.results`,
+which also defines :class:`CellResult`), the rendering of a cell's syntax error
+(:func:`taas.io.failure.syntax_error`), the working-directory check
+(:func:`taas.workdir.cwd.working_directory`, re-exported here).
 
 The magics layer (:mod:`taas.magics`) is a thin adapter over :meth:`Session.run_cell`; tests
 and scripts call it directly with a plain dict as the namespace.
@@ -16,35 +24,34 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import pickle
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from taas import directive
-from taas.errors import CellSyntaxError, LaunchError
+from taas.errors import LaunchError
 from taas.io import failure, keys
 from taas.io.output import Sink, TerminalSink
-from taas.job import analysis, crossing, package
+from taas.job import analysis, package, results
 from taas.job.api import Job, Policy, World
 from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.resident import ResidentMemory
+from taas.job.results import CellResult
 from taas.launch.api import Topology, cuda_device_count
 from taas.launch.local.launcher import LocalLauncher
-from taas.shield import import_shielded
-from taas.supervisor.supervisor import Supervisor
 from taas.rank import comm
+from taas.supervisor.supervisor import Supervisor
+from taas.workdir.cwd import working_directory
+
+if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
+    from taas.data.plane import DataPlane
+
+__all__ = ["CellResult", "JobStats", "Session", "launcher_from_env", "transport_for",
+           "working_directory"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CellResult:
-    values: dict = field(default_factory=dict)  # names rank 0 bound, for the notebook
-    out: object = None
-    has_out: bool = False
-    notes: list[str] = field(default_factory=list)  # one-line notes to show
 
 
 @dataclass
@@ -182,17 +189,33 @@ class Session:
     def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
                   filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
                   hidden: frozenset = frozenset(), name_for=None) -> CellResult:
+        """Where the cell runs, the Job it becomes (:meth:`_job`), then that job's run
+        (:meth:`_run`)."""
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
         launcher = self.launcher_for(address)
+        job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
+                                    options, sink, hidden, name_for)
+        self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
+                             loaders=sorted(i.name for i in plane.loaders) if plane else [],
+                             config=options.config, cluster=address)
+        return self._run(launcher, job, plane, big, self.last, sink, name_for)
+
+    def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
+             options: directive.JobOptions, sink: Sink, hidden: frozenset,
+             name_for) -> tuple[Job, DataPlane | None, BigValues]:
+        """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
+        arrays went out through (the caller closes them).  Everything that can fail before
+        launch fails here: a syntax error, a value that cannot be shipped, more processes than
+        the launcher has room for."""
         cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
         local_cuda = cuda_devices if launcher is self.launcher else cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices, launcher.where)
         try:
             analysis.compile_cell(source, filename, first_line)
         except SyntaxError as exc:
-            raise _syntax_error(exc, name_for) from None
+            raise failure.syntax_error(exc, name_for) from None
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
         rebound = _rebound_loaders(namespace, values)
@@ -212,8 +235,7 @@ class Session:
             sink.write("stderr", line + "\n")
         log.debug("job %s: %d ranks on %s (%s), %d names shipped (%d bytes), %d loader workers",
                   job_id, world, device, backend, len(values), len(blob), workers)
-
-        job = Job(
+        return Job(
             job_id=job_id, cwd=cwd,
             payload=package.Payload(
                 source=source, filename=filename, first_line=first_line, names=blob,
@@ -228,23 +250,27 @@ class Session:
             data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
             env=_process_env(world), shared_fds=tuple(big.fds),  # resident big tensors
             cleanups=tuple(big.cleanups()),
-        )
-        stats = self.last = JobStats(job_id, world, device, backend,
-                                     loaders=sorted(i.name for i in plane.loaders) if plane else [],
-                                     config=options.config, cluster=address)
+        ), plane, big
+
+    def _run(self, launcher, job: Job, plane: DataPlane | None, big: BigValues, stats: JobStats,
+             sink: Sink, name_for) -> CellResult:
+        """``job`` through the supervisor; rank 0's results for the notebook.  ``stats`` follows
+        the supervisor's states and gets the job's figures however it ends."""
         supervisor = Supervisor(launcher, job, sink, name_for=name_for,
                                 on_state=lambda state: setattr(stats, "outcome", state.value))
         started = time.monotonic()
         try:
             outcome = supervisor.run()
             stats.outcome = "ok"
-            alone = comm.note(world, outcome.comm_ops)
+            alone = comm.note(job.world.size, outcome.comm_ops)
             if alone:
                 sink.write("stderr", alone + "\n")
             if plane is not None:
                 stats.data = plane.summary()
                 sink.write("stderr", "".join(line + "\n" for line in stats.data))
-            return _results(outcome.result, options)
+            if not job.policy.results or outcome.result is None:
+                return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
+            return results.load(results.decode(outcome.result))
         finally:
             big.close_fds()
             big.unlink(wait=False)  # a rank still running keeps its mapping
@@ -254,7 +280,7 @@ class Session:
             stats.restarts = supervisor.machine.restarts
 
     # ------------------------------------------------------------------------------------
-    def _data_plane(self, values: dict, options, world: int, device: str):
+    def _data_plane(self, values: dict, options, world: int, device: str) -> DataPlane | None:
         """Registered loaders the cell reads leave ``values`` (loader workers get them; the
         ranks get views): their DataPlane, or None."""
         from taas.data.plane import DataPlane
@@ -286,43 +312,6 @@ def _process_env(world: int) -> dict[str, str]:
     return env
 
 
-def _results(raw_bytes: bytes | None, options) -> CellResult:
-    """Rank 0's results (taas.rank.main) as names, Out[] and notes for the notebook."""
-    result = CellResult()
-    if not options.results or raw_bytes is None:
-        return result  # rank 0 ended early (sys.exit(0)): nothing to bring back
-    raw = pickle.loads(raw_bytes)
-    for name, blob in raw["values"].items():
-        value, why = crossing.load_result(blob)
-        if why is None:
-            result.values[name] = value
-        else:
-            result.notes.append(f"taas: `{name}` was not brought back: {why}")
-    for name, why in raw["skipped"].items():
-        result.notes.append(f"taas: `{name}` was not brought back: {why}")
-    if raw["out"] is not None:
-        value, why = crossing.load_result(raw["out"])
-        if why is None:
-            result.out, result.has_out = value, True
-        else:
-            result.notes.append(f"taas: the cell's result was not brought back: {why}")
-    elif raw.get("out_skipped"):
-        result.notes.append(f"taas: the cell's result was not brought back: {raw['out_skipped']}")
-    return result
-
-
-def _syntax_error(exc: SyntaxError, name_for) -> CellSyntaxError:
-    """The cell's SyntaxError as Python shows it, at the cell's own line, without our frames."""
-    import traceback
-
-    where = name_for(exc.filename) if name_for and exc.filename else None
-    lines = "".join(traceback.format_exception_only(SyntaxError, exc)).rstrip("\n").splitlines()
-    if where and lines and lines[0].lstrip().startswith("File "):
-        lines[0] = f"  {where}, line {exc.lineno}"
-    summary = f"SyntaxError: {exc.msg} (line {exc.lineno})"
-    return CellSyntaxError(summary, [failure.RED + summary + failure.RESET] + lines)
-
-
 def _rebound_loaders(namespace: dict, values: dict) -> list[str]:
     """Notes for names the cell (or a notebook function it calls) reads that referred to a
     registered loader and were assigned again since (see ``registry.rebound``)."""
@@ -342,24 +331,3 @@ def _rebound_loaders(namespace: dict, values: dict) -> list[str]:
             names.add(name)
             stack.append(ref)
     return registry.rebound(namespace, names)
-
-
-def working_directory() -> str:
-    """The kernel's working directory, where the ranks start; a one-line LaunchError if it
-    was deleted (``os.getcwd()`` fails) or cannot be entered."""
-    try:
-        cwd = os.getcwd()
-    except FileNotFoundError:
-        try:  # Linux still knows the path it had
-            path = os.readlink("/proc/self/cwd").removesuffix(" (deleted)")
-        except OSError:
-            path = os.environ.get("PWD", "")
-        again = " (a new directory of that name is not the same one)" if path and os.path.isdir(path) else ""
-        raise LaunchError(
-            f"the notebook's working directory {path} no longer exists{again}; `%cd` to an "
-            "existing directory and run the cell again".replace("  ", " ")) from None
-    if not os.access(cwd, os.X_OK):
-        raise LaunchError(f"the notebook's working directory {cwd} cannot be entered "
-                          "(permission denied); `%cd` to another directory or fix its "
-                          "permissions, and run the cell again")
-    return cwd

@@ -178,3 +178,18 @@ def _frame(frame: dict, name_for: Callable[[str], str] | None) -> str:
 
 def _order(key: str):
     return keys.order(key)
+
+
+def syntax_error(exc: SyntaxError, name_for: Callable[[str], str] | None = None):
+    """The cell's SyntaxError as Python shows it, at the cell's own line, without taas's frames
+    (a cell that does not compile fails before anything starts: no process, no report)."""
+    import traceback
+
+    from taas.errors import CellSyntaxError
+
+    where = name_for(exc.filename) if name_for and exc.filename else None
+    lines = "".join(traceback.format_exception_only(SyntaxError, exc)).rstrip("\n").splitlines()
+    if where and lines and lines[0].lstrip().startswith("File "):
+        lines[0] = f"  {where}, line {exc.lineno}"
+    summary = f"SyntaxError: {exc.msg} (line {exc.lineno})"
+    return CellSyntaxError(summary, [RED + summary + RESET] + lines)

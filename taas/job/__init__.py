@@ -1,1 +1,5 @@
-"""What travels with a job: namespace analysis, packaging, results back."""
+"""What travels with a job, both ways, as values: the Job itself (api), namespace analysis,
+packaging and what crosses (package, crossing), and rank 0's results (results: the format of
+``result.pkl`` for both ends).  Pure: no processes, no IPython; it may import taas.errors and
+taas.job.memory only.
+"""

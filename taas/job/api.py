@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PAYLOAD = "payload.pkl"  # the job's Payload, pickled, in the job directory every process reads
+
 
 @dataclass(frozen=True)
 class World:

@@ -3,6 +3,8 @@
     load payload -> device, patches -> default process group + start-up barrier
     -> data views -> exec the cell -> report "comm" -> (rank 0) results -> exit code
 
+Rank 0's results are :mod:`taas.job.results`' format, written by :func:`report.write_result`.
+
 Runs in a process forked by the start process, which already set up stdout/stderr, the
 environment (torchrun's variables), the working directory and the storage rule; see
 :mod:`taas.launch.local.starter`.  Every way out but the end of the cell writes a report
@@ -29,11 +31,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from taas.job import crossing
+from taas.job import crossing, results
 from taas.job.analysis import compile_cell
+from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
-from taas.rank import comm, display, patches
 from taas.launch.process import events, report, stacks
+from taas.rank import comm, display, patches
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ def main(spec) -> int:
     fault_file = open(report.fault_path(job_dir, key), "w")
     faulthandler.enable(file=fault_file, all_threads=False)
     try:
-        with open(os.path.join(job_dir, "payload.pkl"), "rb") as f:
+        with open(os.path.join(job_dir, PAYLOAD), "rb") as f:
             payload: Payload = pickle.load(f)
         _log_to_stderr(payload.log_level)
         log.debug("rank %d of %s: %s on %s/%s, storage %s, loaders %s", rank, os.environ.get("WORLD_SIZE"),
@@ -66,7 +69,8 @@ def main(spec) -> int:
         comm.report()
         log.debug("cell done on rank %d", rank)
         if rank == 0 and payload.results:
-            _write_results(job_dir, payload, namespace, out)
+            report.write_result(job_dir, results.encode(
+                results.collect(namespace, payload.bound, out, to_cpu=payload.results_to_cpu)))
         _teardown(done=True)
         return 0
     except SystemExit as exc:
@@ -156,86 +160,6 @@ def _run_cell(payload: Payload, namespace: dict):
     if last is not None:
         return eval(last, namespace)
     return None
-
-
-def _write_results(job_dir: str, payload: Payload, namespace: dict, out) -> None:
-    values: dict[str, bytes] = {}
-    skipped: dict[str, str] = {}
-    for name in payload.bound:
-        if name.startswith("__") or name not in namespace:
-            continue
-        blob, why = _pack(namespace[name], payload.results_to_cpu)
-        if blob is None:
-            skipped[name] = why
-        else:
-            values[name] = blob
-    out_blob, out_why = (None, None) if out is None else _pack(out, payload.results_to_cpu)
-    result = {"values": values, "skipped": skipped, "out": out_blob, "out_skipped": out_why}
-    tmp = report.result_path(job_dir) + ".tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, report.result_path(job_dir))
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("results: %s; not brought back: %s; Out: %s",
-                  ", ".join(f"{k} ({len(v)} bytes)" for k, v in values.items()) or "none",
-                  ", ".join(skipped) or "none",
-                  "none" if out_blob is None else f"{len(out_blob)} bytes")
-
-
-def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
-    """One result as bytes, or why it cannot come back.  Never raises (but for Ctrl-C): a
-    value's failure to pickle -- whatever it raises, SystemExit included -- costs that value,
-    never the job or the other values.  DistributedDataParallel and Lightning Fabric wrappers
-    anywhere in the value come back as what they wrap (taas.job.crossing)."""
-    kind = type(value).__qualname__
-    limit = sys.getrecursionlimit()
-    try:
-        sys.setrecursionlimit(max(limit, crossing.RESULT_RECURSION_LIMIT))  # deeper: a note
-        value = crossing.unwrap(value)
-        kind = type(value).__qualname__
-        if _holds_shards(value):
-            return None, (f"{type(value).__qualname__} holds sharded DTensors that belong to the "
-                          "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
-        if to_cpu:
-            value = _to_cpu(value)
-        return crossing.dumps(value, crossing.TO_KERNEL), None
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # SystemExit from a __reduce__ too: it ends nothing here
-        if isinstance(exc, RecursionError) or isinstance(exc.__cause__, RecursionError):
-            return None, f"{kind} is nested too deeply to pickle"
-        text = str(exc).splitlines()[0][:120] if str(exc) else ""
-        why = text if text and isinstance(exc, Exception) else f"{type(exc).__name__}: {text}".rstrip(": ")
-        return None, f"{kind} cannot be pickled ({why})"
-    finally:
-        sys.setrecursionlimit(limit)
-
-
-def _holds_shards(value) -> bool:
-    """A module or optimizer over FSDP/DTensor parameters: its shards mean nothing outside."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - older torch
-        return False
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, torch.nn.Module):
-        return any(isinstance(p, DTensor) for p in value.parameters())
-    if isinstance(value, torch.optim.Optimizer):
-        return any(isinstance(p, DTensor) for group in value.param_groups for p in group["params"])
-    return False
-
-
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.cpu() if value.device.type != "cpu" else value
-    if isinstance(value, torch.nn.Module):
-        return value.cpu()
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
 
 
 def _teardown(done: bool = False) -> None:

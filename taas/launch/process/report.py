@@ -5,7 +5,8 @@ Errors travel through files, as torch elastic's ``@record`` does: a process that
 cause), the exception chain and its frames.  Frames inside taas itself are dropped, so a user
 sees their own code.  A rank that calls ``sys.exit`` writes one whatever the code (0 included:
 ``exit_code`` 0 is no failure, but says when and where it left).  Rank 0's results go to
-``result.pkl``.
+``result.pkl`` (:func:`write_result`; their format is :mod:`taas.job.results`, which this
+module does not need to know).
 
 A process killed by a signal writes nothing; faulthandler's dump (``<key>.fault``) then shows
 where its Python code was.
@@ -35,6 +36,14 @@ def fault_path(job_dir: str, key: str) -> str:
 
 def result_path(job_dir: str) -> str:
     return os.path.join(job_dir, api.RESULT)
+
+
+def write_result(job_dir: str, data: bytes) -> None:
+    """Rank 0's encoded results, whole or not at all: the kernel never reads half a file."""
+    tmp = result_path(job_dir) + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, result_path(job_dir))
 
 
 def _internal(filename: str) -> bool:

@@ -1,0 +1,120 @@
+"""The session as the composition root, driven by a scripted launcher (no process anywhere):
+a cell becomes a Job, the job runs, rank 0's results come back through taas.job.results."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from taas import directive
+from taas.errors import CellSyntaxError
+from taas.job import results
+from taas.job.api import PAYLOAD
+from taas.launch.api import RESULT, JobHandle, Launcher, ProcessExit, Topology
+from taas.session import CellResult, Session, transport_for, working_directory  # noqa: F401 - the re-exports
+
+
+class Handle(JobHandle):
+    """Every process exits 0 at once; rank 0 left ``files``."""
+
+    def __init__(self, spec, files):
+        self.spec, self.files = spec, files
+        self.script = [ProcessExit(p.key, 0, 0) for p in spec.processes]
+
+    @property
+    def keys(self):
+        return [p.key for p in self.spec.processes]
+
+    def events(self, timeout):
+        return [self.script.pop(0)] if self.script else []
+
+    def drain(self, timeout=2.0):
+        out, self.script = self.script, []
+        return out
+
+    def stop(self, grace=1.0):
+        self.script = []
+
+    def fetch(self, key, name):
+        return self.files.get((key, name))
+
+    def request_stacks(self, keys):
+        return []
+
+    def layers(self):
+        return []
+
+    def close(self):
+        pass
+
+
+class OneShotLauncher(Launcher):
+    def __init__(self, result: bytes | None = None):
+        self.result, self.specs = result, []
+
+    def cuda_devices(self):
+        return 0
+
+    def start(self, spec):
+        self.specs.append(spec)
+        return Handle(spec, {} if self.result is None else {("rank0", RESULT): self.result})
+
+    def topology(self, world):
+        return Topology(rank_nodes=(0,) * world)
+
+    def shutdown(self):
+        pass
+
+
+class Sink:
+    def __init__(self):
+        self.text = []
+
+    def write(self, stream, text):
+        self.text.append((stream, text))
+
+
+def _run(launcher, source, namespace=None, argline="--gpus 2"):
+    session = Session(launcher)
+    try:
+        return session, session.run_cell(source, namespace if namespace is not None else {},
+                                         directive.parse_options(argline), sink=Sink())
+    finally:
+        session.close()
+
+
+def test_rank_0s_results_become_names_out_and_notes():
+    sent = results.collect({"x": 41, "mod": pickle}, ("x", "mod"), "out", to_cpu=True)
+    session, got = _run(OneShotLauncher(results.encode(sent)), "x = 41\nmod = pickle\n'out'",
+                        {"pickle": pickle})
+    assert isinstance(got, CellResult)
+    assert got.values == {"x": 41, "mod": pickle} and got.has_out and got.out == "out"
+    assert session.last.outcome == "ok" and session.last.world_size == 2
+
+
+def test_the_job_carries_the_cell_and_the_payload_name_is_the_launchers_file():
+    launcher = OneShotLauncher(results.encode(results.Results()))
+    _run(launcher, "y = 1")
+    [spec] = launcher.specs
+    payload = pickle.loads(spec.files[PAYLOAD])
+    assert payload.source == "y = 1" and payload.bound == ("y",) and payload.results_to_cpu
+
+
+def test_no_results_file_brings_nothing_back():
+    _, got = _run(OneShotLauncher(None), "import sys; sys.exit(0)")
+    assert got == CellResult()
+
+
+def test_results_off_brings_nothing_back_even_when_rank_0_wrote_some():
+    sent = results.encode(results.collect({"x": 1}, ("x",), None, to_cpu=True))
+    _, got = _run(OneShotLauncher(sent), "x = 1", argline="--gpus 2 --no-results")
+    assert got == CellResult()
+
+
+def test_a_syntax_error_fails_before_launch_at_the_cells_line():
+    launcher = OneShotLauncher()
+    with pytest.raises(CellSyntaxError) as info:
+        _run(launcher, "x = 1\ny = (")
+    assert launcher.specs == []
+    assert "SyntaxError" in str(info.value) and "(line 2)" in str(info.value)
