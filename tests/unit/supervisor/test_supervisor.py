@@ -11,7 +11,8 @@ from taas.errors import JobFailed, LaunchError
 from taas.job.api import Job, Policy, World
 from taas.job.package import Payload
 from taas.launch.api import JobHandle, Launcher, OutputChunk, ProcessExit, RESULT, Topology, error_name
-from taas.supervisor.supervisor import Ev, InvalidTransition, Machine, State, Supervisor
+from taas.supervisor.machine import Ev, InvalidTransition, Machine, State
+from taas.supervisor.supervisor import Supervisor
 
 S = State
 
