@@ -73,7 +73,7 @@ class Malformed(ValueError):
     """A line that is not a message: why, for the log."""
 
 
-# -- field checks: each returns the value, or raises Malformed -----------------------------------
+# -- field checks: predicates over one value, and _field, which reads one field or raises ----------
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -83,15 +83,19 @@ def _number(value: Any) -> bool:
 
 
 def _frame(value: Any) -> bool:
+    """A frame as taas.io.failure renders it (its ``line`` may be missing: read from the file)."""
     return (isinstance(value, dict) and isinstance(value.get("filename"), str)
-            and isinstance(value.get("name"), str) and (value.get("lineno") is None or _int(value["lineno"]))
+            and isinstance(value.get("name"), str)
+            and "lineno" in value and (value["lineno"] is None or _int(value["lineno"]))
             and isinstance(value.get("line", ""), str))
 
 
 def _field(message: dict, name: str, ok: Callable[[Any], bool], what: str, default: Any = ...) -> Any:
-    if name not in message and default is not ...:
+    if name not in message:
+        if default is ...:
+            raise Malformed(f"no {name!r}")
         return default
-    value = message.get(name)
+    value = message[name]
     if not ok(value):
         raise Malformed(f"{name!r} is not {what}")
     return value
