@@ -73,8 +73,8 @@ MALFORMED = [
     b'{"kind": "data.started", "loader": "train", "prefetch_s": "slow"}',
     b'{"kind": "data.started", "loader": "train", "prefetch_s": NaN}',
     b'{"kind": "data.stats", "loader": "train", "rank": 0, "units": 1}',
-    b'{"kind": "data.stats", "loader": "train", "rank": 0, "units": 1, "bytes": 1, "wait_s": 0,'
-    b' "elapsed_s": Infinity}',
+    (b'{"kind": "data.stats", "loader": "train", "rank": 0, "units": 1, "bytes": 1, "wait_s": 0,'
+     b' "elapsed_s": Infinity}'),
     b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser's recursion limit
     b'{"kind": "done", "n": 1' + b"0" * 5000 + b"}",  # more digits than int() takes
     b"\xff\xfe not utf-8",

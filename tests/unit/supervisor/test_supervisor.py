@@ -10,7 +10,15 @@ import pytest
 from taas.errors import JobFailed, LaunchError
 from taas.job.api import Job, Policy, World
 from taas.job.package import Payload
-from taas.launch.api import JobHandle, Launcher, OutputChunk, ProcessExit, RESULT, Topology, error_name
+from taas.launch.api import (
+    RESULT,
+    JobHandle,
+    Launcher,
+    OutputChunk,
+    ProcessExit,
+    Topology,
+    error_name,
+)
 from taas.supervisor.machine import Ev, InvalidTransition, Machine, State
 from taas.supervisor.supervisor import Supervisor
 
@@ -270,9 +278,8 @@ def test_lines_that_are_not_messages_are_ignored_and_the_job_still_succeeds(capl
 class FakePlane:
     """The data plane as the supervisor uses it, keeping the figures it is given."""
 
-    settings: dict = {}
-
     def __init__(self, fail_on=None):
+        self.settings: dict = {}
         self.figures, self.fail_on, self.finished = [], fail_on, False
 
     def open(self, attempt_id, transport):
