@@ -52,6 +52,10 @@ class Outcome:
 
 
 class Supervisor:
+    """Runs one job to its end (:meth:`run`), attempt after attempt, on ``launcher``; output,
+    displays and progress go to ``sink``; ``name_for`` names the cell's file in tracebacks;
+    ``on_state`` hears every state the job enters."""
+
     def __init__(self, launcher, job: Job, sink, *, name_for=None, on_state=None):
         self.launcher = launcher
         self.job = job
@@ -61,7 +65,8 @@ class Supervisor:
         self.on_state = on_state or (lambda state: None)  # the session's status line
         self.outcome = Outcome()
 
-    def _on(self, event: Ev) -> State:
+    def transition(self, event: Ev) -> State:
+        """Move the job through its states (and tell the session)."""
         state = self.machine.on(event)
         self.on_state(state)
         return state
@@ -76,15 +81,15 @@ class Supervisor:
                     return self.outcome
             except KeyboardInterrupt:
                 if not self.machine.state.final:
-                    self._on(Ev.INTERRUPT)
+                    self.transition(Ev.INTERRUPT)
                     if self.machine.state is S.STOPPING:
-                        self._on(Ev.STOPPED)
+                        self.transition(Ev.STOPPED)
                 raise
             except BaseException:  # a loader that cannot be sent, no room for the files: re-raised
                 if self.machine.state is S.PREPARING:
-                    self._on(Ev.LAUNCH_FAILED)
+                    self.transition(Ev.LAUNCH_FAILED)
                 raise
-            self._on(Ev.RESTART)
+            self.transition(Ev.RESTART)
             self.outcome.restarts = self.machine.restarts
 
     def _attempt(self, started: float) -> bool:
@@ -100,23 +105,23 @@ class Supervisor:
             try:
                 handle = self.launcher.start(spec)
             except LaunchError:
-                self._on(Ev.LAUNCH_FAILED)
+                self.transition(Ev.LAUNCH_FAILED)
                 raise
             log.debug("job %s attempt %d: started %s", job.job_id, restart, handle.keys)
-            self._on(Ev.STARTED)
+            self.transition(Ev.STARTED)
             show = job.policy.show
             router = OutputRouter(self.sink, handle.keys, set(show) if show is not None else None,
                                   tag=job.world.size > 1)
             ends = Watch(self, handle, router, started).run()
             self.outcome.exit_codes = {k: e.returncode for k, e in ends.items()}
             if not any(end.failed for end in ends.values()):
-                self._on(Ev.ALL_EXITED)
+                self.transition(Ev.ALL_EXITED)
                 if job.policy.results:
                     self.outcome.result = handle.fetch("rank0", RESULT)
                 return True
             router.replay_hidden("--- recent output of {key} ---")
             failed = diagnosis.job_failed(handle, list(ends.values()), self.name_for)
-            if self._on(Ev.STOPPED) is S.RESTARTING:
+            if self.transition(Ev.STOPPED) is S.RESTARTING:
                 self.sink.write("stderr", f"taas: restart {restart + 1}/{job.policy.max_restarts}: "
                                 f"{failed.summary}\n")
                 return False
@@ -236,7 +241,7 @@ class Watch:
         self.ends[event.key] = failure.ProcessEnd(event.key, code, time.time(), stopped=self.stopping)
         log.debug("%s exited with %d", event.key, event.returncode)
         if code != 0 and not self.stopping:
-            self.supervisor._on(Ev.FAILURE)
+            self.supervisor.transition(Ev.FAILURE)
             self.handle.stop(STOP_GRACE)
 
     def _on_message(self, key: str, message: events.Message) -> None:
@@ -274,7 +279,7 @@ class Watch:
             log.warning("ignored a data-plane figure from %s: %r", key, exc)
             return
         if self.supervisor.machine.state is S.PREFETCHING and plane.ready():
-            self.supervisor._on(Ev.LOADERS_READY)
+            self.supervisor.transition(Ev.LOADERS_READY)
 
     def _finish(self) -> bool:
         """Every rank ran the cell to its end and sent all it had (rank/main.py, _teardown):
@@ -307,13 +312,13 @@ class Watch:
         where = self.places()  # before anything is stopped
         if self.stopping or len(self.ends) == len(self.keys):
             return  # a rank failed, or all ended, while they answered
-        self.supervisor._on(Ev.TIMEOUT)
+        self.supervisor.transition(Ev.TIMEOUT)
         if self.job.data is not None:
             self.job.data.note_timeout()  # who waited for which loader, before the stop
         self.handle.stop(STOP_GRACE)
         self.deliver(self.handle.drain())
         self.router.close()
-        self.supervisor._on(Ev.STOPPED)
+        self.supervisor.transition(Ev.STOPPED)
         raise diagnosis.timed_out(timeout, list(self.ends.values()), where, self.supervisor.name_for)
 
     def _interrupted(self, exc: KeyboardInterrupt) -> None:
