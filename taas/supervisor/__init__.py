@@ -1,1 +1,13 @@
-"""Watching one started job to its end: the state machine, the run loop, the diagnosis."""
+"""Watching one started job to its end, for the session.
+
+    machine.py    the job's states and transitions, as a table (pure)
+    supervisor.py the run over attempts: start, watch (output, events, failure, timeout,
+                  stall, Ctrl-C), stop, restart, merge the ranks' files, fetch the results
+    events.py     what processes say on their events pipes, read into typed messages; a line
+                  that is not one is logged and ignored, never fails a job
+    diagnosis.py  where the ranks are (stack requests) and why a job failed (their reports)
+
+May import: taas.errors, taas.shield, taas.io, taas.job, taas.workdir, taas.launch (the
+launcher contract, never a launcher) and taas.data (the data plane the session built).  Only
+the session imports this room.
+"""

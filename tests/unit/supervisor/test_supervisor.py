@@ -10,8 +10,17 @@ import pytest
 from taas.errors import JobFailed, LaunchError
 from taas.job.api import Job, Policy, World
 from taas.job.package import Payload
-from taas.launch.api import JobHandle, Launcher, OutputChunk, ProcessExit, RESULT, Topology, error_name
-from taas.supervisor.supervisor import Ev, InvalidTransition, Machine, State, Supervisor
+from taas.launch.api import (
+    RESULT,
+    JobHandle,
+    Launcher,
+    OutputChunk,
+    ProcessExit,
+    Topology,
+    error_name,
+)
+from taas.supervisor.machine import Ev, InvalidTransition, Machine, State
+from taas.supervisor.supervisor import Supervisor
 
 S = State
 
@@ -217,3 +226,110 @@ def test_an_error_while_preparing_fails_the_job():
     with pytest.raises(OSError):
         supervisor.run()
     assert supervisor.machine.history == [S.PREPARING, S.FAILED]
+
+
+# -- bad input on the events pipe: ignored and logged, never the job's end ---------------------
+class DisplaySink(Sink):
+    """A sink that shows displays, refusing what IPython's publisher refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.displays = []
+
+    def display(self, data, metadata):
+        if not isinstance(data, dict) or not isinstance(metadata, dict):
+            raise TypeError(f"data must be a dict, got: {data!r}")
+        if "application/x-refused" in data:
+            raise ValueError("the notebook refuses this bundle")
+        self.displays.append((data, metadata))
+
+
+def _events(key, *lines):
+    # Sent in pieces that split lines, as a pipe may deliver them.
+    data = b"".join(lines)
+    return [OutputChunk(key, "events", data[i:i + 7]) for i in range(0, len(data), 7)]
+
+
+BAD_LINES = (b'{"kind": "display", "data": 5}\n', b"not json\n", b"[1, 2]\n",
+             b'{"kind": "stack", "frames": 7}\n', b'{"kind": "comm", "ops": "many"}\n',
+             b'{"kind": "data.progress", "loader": 3}\n', b'{"kind": "done", "n": ' + b"9" * 5000 + b"}\n")
+
+
+def test_lines_that_are_not_messages_are_ignored_and_the_job_still_succeeds(caplog):
+    script, files = _ok()
+    good = b'{"kind": "display", "data": {"text/plain": "shown"}, "metadata": {}}\n'
+    refused = b'{"kind": "display", "data": {"application/x-refused": 1}, "metadata": {}}\n'
+    comm = b'{"kind": "comm", "ops": 3}\n'
+    script = _events("rank0", *BAD_LINES, good, refused, comm) + _events("rank1", *BAD_LINES) + script
+    launcher, sink = ScriptedLauncher([(script, files)]), DisplaySink()
+    supervisor = Supervisor(launcher, _job(), sink)
+    with caplog.at_level("WARNING", logger="taas"):
+        outcome = supervisor.run()
+    assert outcome.result is not None and supervisor.machine.history[-1] is S.SUCCEEDED
+    assert sink.displays == [({"text/plain": "shown"}, {})]
+    assert outcome.comm_ops == {"rank0": 3}
+    assert ("stdout", "[rank0] hi\n") in sink.text
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("rank0's events pipe" in m for m in logged) == len(BAD_LINES)
+    assert sum("rank1's events pipe" in m for m in logged) == len(BAD_LINES)
+    assert any("the notebook cannot show" in m for m in logged)
+
+
+class FakePlane:
+    """The data plane as the supervisor uses it, keeping the figures it is given."""
+
+    def __init__(self, fail_on=None):
+        self.settings: dict = {}
+        self.figures, self.fail_on, self.finished = [], fail_on, False
+
+    def open(self, attempt_id, transport):
+        pass
+
+    def processes(self, env, storage):
+        return []
+
+    def cleanups(self):
+        return []
+
+    def on_event(self, key, message, sink):
+        if message.get("worker") == self.fail_on:
+            raise KeyError("worker")
+        self.figures.append((key, message))
+
+    def ready(self):
+        return any(m.get("ready") for _, m in self.figures)
+
+    def finish(self, sink):
+        self.finished = True
+
+    def close(self):
+        pass
+
+
+def test_data_plane_figures_reach_the_plane_only_when_well_formed(caplog):
+    import dataclasses
+
+    script, files = _ok()
+    progress = b'{"kind": "data.progress", "loader": "train", "worker": 0, "produced": 2, "ready": true}\n'
+    unusable = b'{"kind": "data.progress", "loader": "train", "worker": 9, "produced": 2}\n'
+    bad = (b'{"kind": "data.progress", "loader": "train", "worker": "0", "produced": 2}\n',
+           b'{"kind": "data.stats", "loader": "train", "rank": 0}\n')
+    script = _events("loader:train:0", *bad, unusable, progress) + script
+    plane = FakePlane(fail_on=9)
+    job = dataclasses.replace(_job(), data=plane)
+    supervisor = Supervisor(ScriptedLauncher([(script, files)]), job, Sink())
+    with caplog.at_level("WARNING", logger="taas"):
+        outcome = supervisor.run()
+    assert outcome.result is not None
+    assert [m["worker"] for _, m in plane.figures] == [0] and plane.finished
+    assert supervisor.machine.history == [S.PREPARING, S.PREFETCHING, S.RUNNING, S.SUCCEEDED]
+    assert len(caplog.records) == 3, [r.getMessage() for r in caplog.records]
+
+
+def test_an_unreadable_failure_report_is_no_report():
+    script, _ = _fail()
+    files = {("rank1", error_name("rank1")): b"[1, 2]"}
+    supervisor = Supervisor(ScriptedLauncher([(script, files)]), _job(), Sink())
+    with pytest.raises(JobFailed) as info:
+        supervisor.run()
+    assert str(info.value) == "rank1 exited with code 1"
