@@ -26,7 +26,7 @@ from taas.errors import JobFailed, LaunchError
 from taas.io import failure
 from taas.io import keys as names
 from taas.io.output import LineSplitter, OutputRouter
-from taas.job.api import Job
+from taas.job.api import PAYLOAD, Job
 from taas.launch.api import RESULT, LaunchSpec, ProcessExit, ProcessSpec, attempt_id
 from taas.shield import deferred_interrupt
 from taas.supervisor import diagnosis, events
@@ -161,7 +161,7 @@ class Supervisor:
             processes.extend(plane.processes(job.env, job.policy.storage))
         return LaunchSpec(
             job_id=job.job_id, cwd=job.cwd, processes=tuple(processes),
-            files={"payload.pkl": pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)},
+            files={PAYLOAD: pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)},
             shared_fds=job.shared_fds, device=job.world.device, restart=restart,
             max_restarts=job.policy.max_restarts,
             cleanups=job.cleanups + (tuple(plane.cleanups()) if plane is not None else ()),
