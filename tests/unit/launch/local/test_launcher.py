@@ -7,6 +7,7 @@ import psutil
 import pytest
 
 from taas.launch.api import LaunchSpec, OutputChunk, ProcessExit, ProcessSpec
+from taas.launch.local import protocol
 from taas.launch.local.launcher import LocalLauncher
 
 
@@ -170,7 +171,7 @@ def test_kernel_death_during_a_stop_still_cleans_up(tmp_path):
     while b"ready" not in b"".join(e.data for e in job.events(0.1) if isinstance(e, OutputChunk)):
         assert time.monotonic() < deadline
     pids = list(job.pids.values()) + [launcher.starter_pid]
-    launcher._conn.send(("stop", "dying", 5.0))
+    protocol.send(launcher._conn, protocol.Stop("dying", 5.0))
     launcher._conn.close()
     launcher._sock.close()
     assert_gone(pids)
