@@ -28,7 +28,7 @@ from taas.launch.local.protocol import (
 )
 from taas.shield import deferred_interrupt
 
-log = logging.getLogger("taas")
+log = logging.getLogger(__name__)
 
 _SPAWN_TIMEOUT = 30.0  # seconds of silence from the start process before a start is given up
 

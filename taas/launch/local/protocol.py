@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 
 from taas.launch.api import ProcessSpec
 
-log = logging.getLogger("taas")
+log = logging.getLogger(__name__)
 
 # LaunchSpec.shared_fds one job may pass: they go to a ready child in one message, with its 3 pipes.
 MAX_SHARED_FDS = 64

@@ -53,7 +53,7 @@ from taas.launch.local.protocol import (
 apply_storage = child.apply_storage
 _remove_kernel_trash = guard.remove_kernel_trash
 
-log = logging.getLogger("taas")
+log = logging.getLogger("taas.launch.local.starter")  # not __name__: run as __main__
 
 # What every job needs, imported once here so that forked children start warm.
 PRELOAD = (
