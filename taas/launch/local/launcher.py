@@ -145,6 +145,8 @@ class LocalLauncher(Launcher):
             conn = self._ensure_ready()
         except OSError as exc:
             raise LaunchError(f"could not start the job: {exc}") from None
+        sock = self._sock
+        assert sock is not None  # set with the connection by warm()
         # Each attempt of a job is a job of its own for the start process (late messages
         # about attempt 1 must not reach attempt 2).
         attempt = spec.attempt
@@ -159,7 +161,7 @@ class LocalLauncher(Launcher):
                 store, port = None, 0
             request = Spawn(attempt, spec.cwd, job_dir, tuple(_place(spec, job_dir, port)),
                             len(spec.shared_fds), tuple(spec.cleanups))
-            self._send_spawn(conn, request, list(spec.shared_fds), readers)
+            self._send_spawn(conn, sock, request, list(spec.shared_fds), readers)
         except OSError as exc:
             for r in readers:
                 os.close(r)
@@ -187,7 +189,8 @@ class LocalLauncher(Launcher):
             raise
         return job
 
-    def _send_spawn(self, conn: Connection, request: Spawn, shared: list[int],
+    @staticmethod
+    def _send_spawn(conn: Connection, sock: socket.socket, request: Spawn, shared: list[int],
                     readers: dict[int, tuple[str, str]]) -> None:
         """Send ``request`` and then its fds: a pipe per stream of each process, created one
         batch at a time (so the kernel holds at most one batch of write ends, see
@@ -204,11 +207,11 @@ class LocalLauncher(Launcher):
                         r, w = os.pipe()
                         readers[r] = key
                         writers.append(w)
-                    protocol.send_fds(self._sock, writers)
+                    protocol.send_fds(sock, writers)
                 finally:
                     for w in writers:
                         os.close(w)
-            protocol.send_fds(self._sock, shared)
+            protocol.send_fds(sock, shared)
 
 
 def _place(spec: LaunchSpec, job_dir: str, port: int) -> list[ProcessSpec]:

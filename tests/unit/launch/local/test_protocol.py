@@ -13,8 +13,16 @@ import pytest
 from taas.launch.api import ProcessExit, ProcessSpec
 from taas.launch.local import protocol
 from taas.launch.local.job import LocalJob
-from taas.launch.local.protocol import (Become, Exited, Ready, Spawn, Spawned, SpawnError, Stop,
-                                        Stopped)
+from taas.launch.local.protocol import (
+    Become,
+    Exited,
+    Ready,
+    Spawn,
+    Spawned,
+    SpawnError,
+    Stop,
+    Stopped,
+)
 
 SPEC = ProcessSpec("rank0", "tests.support.launch_targets:echo", env={"A": "1"}, args=(b"x",), rank=0)
 
