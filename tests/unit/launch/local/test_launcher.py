@@ -7,6 +7,7 @@ import psutil
 import pytest
 
 from taas.launch.api import LaunchSpec, OutputChunk, ProcessExit, ProcessSpec
+from taas.launch.local import protocol
 from taas.launch.local.launcher import LocalLauncher
 
 
@@ -170,7 +171,7 @@ def test_kernel_death_during_a_stop_still_cleans_up(tmp_path):
     while b"ready" not in b"".join(e.data for e in job.events(0.1) if isinstance(e, OutputChunk)):
         assert time.monotonic() < deadline
     pids = list(job.pids.values()) + [launcher.starter_pid]
-    launcher._conn.send(("stop", "dying", 5.0))
+    protocol.send(launcher._conn, protocol.Stop("dying", 5.0))
     launcher._conn.close()
     launcher._sock.close()
     assert_gone(pids)
@@ -194,3 +195,22 @@ def test_removing_a_job_directory_never_touches_its_parent(tmp_path):
     (locked / "work").chmod(0)
     jobdir.remove(str(locked))
     assert not locked.exists() and parent.stat().st_mode & 0o7777 == 0o1777
+
+
+def test_garbage_on_the_start_process_channel_never_fails_a_job(launcher, tmp_path):
+    """Unreadable or unexpected messages to the start process are logged and ignored: the job
+    after them (and one started while they are still being read) runs as usual."""
+    import pickle
+
+    pids, exits, _ = run(launcher, tmp_path, "echo")  # a ready start process and channel
+    conn = launcher._conn
+    for data in (b"not a pickle", b"", pickle.dumps({"kind": "display", "data": 5}), pickle.dumps([1, 2]),
+                 pickle.dumps(("spawn", "old", str(tmp_path), "/nowhere", [], 0, ())),  # the old tuple wire
+                 pickle.dumps(protocol.Stop(5, "soon")), pickle.dumps(protocol.Ready(1))[:-3]):
+        conn.send_bytes(data)
+    protocol.send(conn, protocol.Spawned("nobody", {"rank0": 1}))  # one the start process never expects
+    protocol.send(conn, protocol.Stop("no-such-job", 0.1))  # answered with a Stopped the jobs skip
+    pids, exits, output = run(launcher, tmp_path, "echo")
+    assert exits == {"rank0": 0, "rank1": 0}
+    assert b"hello from rank1" in output[("rank1", "stdout")]
+    assert_gone(pids.values())

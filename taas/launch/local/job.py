@@ -1,0 +1,207 @@
+"""One running attempt on this machine: the :class:`~taas.launch.api.JobHandle` of the local launcher.
+
+The job reads its processes' pipes (three per process: stdout, stderr, events) itself, so output
+streams straight from each process to the kernel, and it reads the start process's answers about
+it (:mod:`taas.launch.local.protocol`) from the channel it shares with the launcher.  It knows
+the launcher only as that channel and one callback for when the start process is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import time
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
+
+from taas.errors import LaunchError
+from taas.launch.api import Event, JobHandle, OutputChunk, ProcessExit
+from taas.launch.local import jobdir, protocol
+from taas.launch.local.protocol import (
+    Exited,
+    Message,
+    Spawned,
+    SpawnError,
+    Stop,
+    Stopped,
+)
+from taas.shield import deferred_interrupt
+
+log = logging.getLogger(__name__)
+
+_SPAWN_TIMEOUT = 30.0  # seconds of silence from the start process before a start is given up
+
+
+class LocalJob(JobHandle):
+    def __init__(self, conn: Connection, lose_starter: Callable[[], None], job_id: str,
+                 readers: dict[int, tuple[str, str]], job_dir: str, store=None):
+        self._conn = conn  # the launcher's channel to the start process
+        self._close_starter = lose_starter  # the start process is gone or stuck: start afresh
+        self.job_dir = job_dir  # see taas.launch.local.jobdir
+        self._store = store  # the attempt's rendezvous store; its port closes with it
+        self.job_id = job_id
+        self._readers = readers
+        self._selector = selectors.DefaultSelector()
+        for fd in readers:
+            os.set_blocking(fd, False)
+            self._selector.register(fd, selectors.EVENT_READ)
+        self._selector.register(self._conn.fileno(), selectors.EVENT_READ)
+        self._pids: dict[str, int] = {}
+        self._exited: set[str] = set()
+        self._pending: list[Event] = []
+        self._stopped = False
+        self._starter_lost = False
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return dict(self._pids)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._pids)
+
+    def fetch(self, key: str, name: str) -> bytes | None:
+        return jobdir.read(self.job_dir, name) if self.job_dir else None
+
+    def request_stacks(self, keys) -> list[str]:
+        from taas.launch.process import stacks
+
+        return stacks.request(self.job_dir, keys) if self.job_dir else []
+
+    def layers(self) -> list[tuple[str, str]]:
+        return jobdir.layers(self.job_dir) if self.job_dir else []
+
+    @property
+    def running(self) -> bool:
+        return len(self._exited) < len(self._pids)
+
+    @property
+    def finished(self) -> bool:
+        """Every process exited and all its output was read: :meth:`events` has nothing more."""
+        return not self._readers and not self.running
+
+    # -- the start process's answers -------------------------------------------------------
+    def await_spawned(self) -> None:
+        """Wait for the start process to answer this job's Spawn: its pids, or a LaunchError.
+        Messages about other jobs, and unreadable ones, do not end the wait."""
+        deadline = time.monotonic() + _SPAWN_TIMEOUT
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._starter_lost:
+                raise LaunchError("the taas start process did not answer; run the cell again")
+            received, message = self._recv_control(remaining)
+            if not received:
+                continue
+            deadline = time.monotonic() + _SPAWN_TIMEOUT  # it answers: wait on
+            if isinstance(message, Spawned) and message.job_id == self.job_id:
+                self._pids = dict(message.pids)
+                return
+            if isinstance(message, SpawnError) and message.job_id == self.job_id:
+                self.close()
+                raise LaunchError(message.message)
+
+    def _recv_control(self, timeout: float) -> tuple[bool, Message | None]:
+        """(whether a frame arrived, its message or None if unreadable) within ``timeout``."""
+        try:
+            if self._conn.poll(timeout):
+                with deferred_interrupt():  # never half a message
+                    return True, protocol.receive(self._conn)
+        except (EOFError, OSError):
+            self._lose_starter()
+        return False, None
+
+    def _lose_starter(self) -> None:
+        """The start process is gone (or we killed it): so are its children (PDEATHSIG)."""
+        self._starter_lost = True
+        for key, pid in self._pids.items():
+            if key not in self._exited:
+                self._exited.add(key)
+                self._pending.append(ProcessExit(key, pid, -9))
+        if self._conn is not None and self._conn.fileno() in self._selector.get_map():
+            self._selector.unregister(self._conn.fileno())
+        self._close_starter()
+
+    def _handle_control(self, message: Message | None) -> None:
+        if isinstance(message, Exited):
+            if message.job_id == self.job_id:  # else a late message about an earlier job
+                self._exited.add(message.key)
+                self._pending.append(ProcessExit(message.key, message.pid, message.returncode))
+        elif isinstance(message, Stopped):
+            if message.job_id == self.job_id:
+                self._stopped = True
+        elif message is not None and not isinstance(message, (Spawned, SpawnError)):
+            log.debug("taas: a job ignored a %s from the start process", type(message).__name__)
+
+    # -- output ----------------------------------------------------------------------------
+    def events(self, timeout: float) -> Iterable[Event]:
+        if not self._pending:
+            self._poll(timeout)
+        out, self._pending = self._pending, []
+        return out
+
+    def _poll(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for output or control messages; queue what arrives."""
+        if self._readers or self.running or not self._stopped:
+            for sel_key, _ in self._selector.select(timeout):
+                fd = sel_key.fd
+                if self._conn is not None and not self._starter_lost and fd == self._conn.fileno():
+                    while not self._starter_lost and self._conn.poll(0):
+                        received, message = self._recv_control(0)
+                        if received:
+                            self._handle_control(message)
+                    continue
+                self._read(fd)
+
+    def _read(self, fd: int) -> None:
+        key, stream = self._readers[fd]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if data:
+            self._pending.append(OutputChunk(key, stream, data))
+        else:
+            self._selector.unregister(fd)
+            os.close(fd)
+            del self._readers[fd]
+
+    # -- the end ---------------------------------------------------------------------------
+    def stop(self, grace: float = 1.0) -> None:
+        if self._stopped or self._starter_lost or not self._pids:
+            return
+        if self.running:
+            try:
+                with deferred_interrupt():
+                    protocol.send(self._conn, Stop(self.job_id, grace))
+            except OSError:
+                self._recv_control(0)
+                return
+            deadline = time.monotonic() + grace + 5
+            while not self._stopped and not self._starter_lost:
+                if time.monotonic() > deadline:
+                    # Never leave a job behind: kill the start process, its children die too.
+                    self._lose_starter()
+                    break
+                self._poll(0.05)
+        self._stopped = True
+
+    def drain(self, timeout: float = 2.0) -> list[Event]:
+        """Read what is left in the pipes after every process exited."""
+        out: list[Event] = []
+        deadline = time.monotonic() + timeout
+        while self._readers and time.monotonic() < deadline:
+            out.extend(self.events(0.05))
+        return out
+
+    def close(self) -> None:
+        self.stop()
+        for fd in list(self._readers):
+            self._selector.unregister(fd)
+            os.close(fd)
+        self._readers.clear()
+        self._selector.close()
+        self._store = None  # closes its listening port
+        if self.job_dir:
+            jobdir.discard(self.job_dir)
+            self.job_dir = ""
