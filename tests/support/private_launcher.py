@@ -221,7 +221,7 @@ def _run(root: str, parent: int) -> int:
         return 70
     with open(os.path.join(root, "spec.pkl"), "rb") as f:
         spec, cwd = pickle.load(f)
-    from taas.launch.local.starter import apply_storage
+    from taas.launch.local.child import apply_storage
 
     os.chdir(cwd)
     warning, storage = apply_storage(spec, cwd)

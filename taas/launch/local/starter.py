@@ -48,11 +48,6 @@ from taas.launch.local.protocol import (
     Stopped,
 )
 
-# Re-exported: tests/support/private_launcher applies the storage rule as a forked child does,
-# and tests/unit/workdir check the guard's clean-up of a dead kernel's copies.
-apply_storage = child.apply_storage
-_remove_kernel_trash = guard.remove_kernel_trash
-
 log = logging.getLogger("taas.launch.local.starter")  # not __name__: run as __main__
 
 # What every job needs, imported once here so that forked children start warm.

@@ -147,12 +147,12 @@ def test_a_dead_agents_copy_is_removed_by_its_guard(tmp_path, monkeypatch):
     agent's copies (named by the agent's pid), and only those."""
     import tempfile
 
-    from taas.launch.local import starter
+    from taas.launch.local import guard
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     write(tmp_path / "taas-workdir-4242-abc" / "notebook" / "data.txt")
     write(tmp_path / "taas-workdir-4243-abc" / "notebook" / "data.txt")
-    starter._remove_kernel_trash(4242)
+    guard.remove_kernel_trash(4242)
     assert sorted(os.listdir(tmp_path)) == ["taas-workdir-4243-abc"]
 
 
