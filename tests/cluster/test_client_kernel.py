@@ -18,9 +18,9 @@ import signal
 
 import pytest
 
-from tests.support.cluster_helpers import LOADER_SETUP, agents, job_processes, placement_groups_left, relays, sleeping_job
+from tests.support.cluster_helpers import (LOADER_CELL, LOADER_SETUP, agents, agents_of, job_processes,
+                                          placement_groups_left, relays, sleeping_job)
 from tests.support.kernel_driver import cell, cmdline, wait_until_gone
-from tests.cluster.test_cluster_kernel import LOADER_CELL, _agents_of
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
@@ -87,7 +87,7 @@ def test_a_registered_loader_feeds_ranks_through_ray_client(kernel, ray_cluster)
 def test_percent_taas_cluster_local_ends_the_ray_client_connection(kernel, ray_cluster):
     run = kernel.run("%%taas --gpus 4\nprint('warm', flush=True)")
     assert run.error is None, run.traceback
-    ours = _agents_of(kernel, ray_cluster)
+    ours = agents_of(kernel, ray_cluster)
     assert len(ours) >= 2, ours
     local = kernel.run("%taas cluster local")
     assert local.error is None, local.traceback
