@@ -161,7 +161,7 @@ class SimulatedCluster:
                 self.failures.append(str(e))
                 if attempt + 1 == attempts:
                     raise
-                warnings.warn(f"simulated cluster: start {attempt + 1} failed, retrying: {e}")
+                warnings.warn(f"simulated cluster: start {attempt + 1} failed, retrying: {e}", stacklevel=2)
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float, sequential: bool) -> "SimulatedCluster":

@@ -16,7 +16,6 @@ import dataclasses
 import os
 import pickle
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
