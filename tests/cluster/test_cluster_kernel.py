@@ -11,17 +11,10 @@ import pytest
 
 from tests.support.cluster_helpers import (LOADER_CELL, LOADER_SETUP, agents, agents_of, connected_kernel,
                                           job_processes, placement_groups_left, relays, sleeping_job)
+from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
 from tests.support.kernel_driver import cell, cmdline, plain, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster, tmp_path_factory):
-    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"))
-    yield k
-    k.run("%taas cluster local")  # ends the connection: agents and placement groups go
-    k.shutdown()
 
 
 def test_percent_taas_shows_the_cluster(kernel, ray_cluster):
@@ -119,9 +112,8 @@ def test_rank_zeros_file_is_in_the_working_directory(kernel):
 
 def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
     others = set(agents(ray_cluster))  # another kernel's agents (the module's) stay
-    k = ray_cluster.kernel(str(tmp_path))
+    k = connected_kernel(ray_cluster, tmp_path)
     try:
-        assert k.run(f"%taas cluster {ray_cluster.address}").error is None
         kernel_pid, ranks, mine = sleeping_job(ray_cluster, k, others)
         import os
         import signal

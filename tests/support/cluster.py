@@ -74,13 +74,21 @@ START_TIMEOUT = 600.0
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_init.py")
 
 
-def missing_requirements() -> str | None:
-    """Why a simulated cluster cannot run here (None: it can) — for a test's skip reason."""
+def missing_namespaces() -> str | None:
+    """Why Ray cannot be run in a private network and PID namespace here (None: it can)."""
     if os.geteuid() != 0:
         return "needs root (network and PID namespaces: unshare --net --pid)"
     for tool in ("unshare", "nsenter", "ip"):
         if shutil.which(tool) is None:
             return f"needs the `{tool}` command"
+    return None
+
+
+def missing_requirements() -> str | None:
+    """Why a simulated cluster cannot run here (None: it can) — for a test's skip reason."""
+    reason = missing_namespaces()
+    if reason:
+        return reason
     if _ray_executable() is None:
         return "needs ray (pip install ray), with its `ray` command next to this python"
     try:

@@ -9,16 +9,35 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.support.kernel_driver import cmdline, process_name, wait_for
 
 
-def connected_kernel(ray_cluster, workdir):
-    """A kernel inside the cluster's namespace, in ``workdir``, connected with ``%taas cluster``."""
-    k = ray_cluster.kernel(str(workdir))
-    run = k.run(f"%taas cluster {ray_cluster.address}")
+def connected_kernel(ray_cluster, workdir, address: str | None = None, options: str = "",
+                     env: dict | None = None):
+    """A kernel inside the cluster's namespace, in ``workdir``, connected with ``%taas cluster
+    ADDRESS OPTIONS`` (default: the cluster's GCS address); that cell's run is ``k.connected``.
+    A kernel that cannot connect is shut down before the assertion fails."""
+    k = ray_cluster.kernel(str(workdir), env=env)
+    run = k.run(f"%taas cluster {address or ray_cluster.address} {options}".rstrip())
+    if run.error is not None:
+        k.shutdown()
     assert run.error is None, run.traceback
     k.workdir = workdir
+    k.connected = run
     return k
+
+
+@pytest.fixture(scope="module", name="kernel")
+def connected_module_kernel(ray_cluster, tmp_path_factory):
+    """The ``kernel`` fixture of a module that imports this one: connected to the cluster's GCS
+    address, in a fresh notebook directory.  ``%taas cluster local`` at the end ends the
+    connection: its agents and placement groups go."""
+    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"))
+    yield k
+    k.run("%taas cluster local")
+    k.shutdown()
 
 
 def named(ray_cluster, *prefixes: str) -> list:

@@ -15,6 +15,8 @@ import psutil
 from jupyter_client import KernelManager
 from traitlets import List, Unicode
 
+from tests.support.paths import with_repo_on_path
+
 
 # No downloads: Hugging Face libraries in the kernel and its ranks (which inherit it) stay offline.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -80,8 +82,7 @@ class Kernel:
             self._ipc_dir = tempfile.mkdtemp(prefix="taas-kipc-")
             self.km.connection_file = os.path.join(self._ipc_dir, "kernel.json")
             self.km.ip = os.path.join(self._ipc_dir, "k")
-        env = {**os.environ, **(env or {})}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_repo_root(), env.get("PYTHONPATH")]))
+        env = with_repo_on_path({**os.environ, **(env or {})})
         self.km.start_kernel(cwd=cwd, env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
@@ -171,10 +172,6 @@ class Kernel:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def shm_entries() -> set[str]:
     try:
         return set(os.listdir("/dev/shm"))
@@ -207,14 +204,15 @@ def wait_until_gone(pids, timeout: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
+        alive = [p for p in alive if is_alive(p)]
         if not alive:
             return []
         time.sleep(0.05)
     return alive
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not: it has ended, unreaped)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -18,6 +18,7 @@ from taas import directive
 from taas.errors import JobFailed, LaunchError
 from taas.launch.ray import launcher as ray_launcher
 from taas.session import Session
+from tests.support.kernel_driver import is_alive, wait_until_gone
 
 started: list = []  # every RayJob of this driver, to check its processes are gone afterwards
 _start = ray_launcher.RayLauncher.start
@@ -49,17 +50,9 @@ class Recorder:
         self.lines.append(text)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def leftovers() -> list[int]:
     """Pids of processes of the jobs this driver ran that still exist."""
-    return [pid for job in started for pid in job._pids.values() if alive(pid)]
+    return [pid for job in started for pid in job._pids.values() if is_alive(pid)]
 
 
 def run(session, source, line, sink=None):
@@ -181,10 +174,7 @@ def orphan(address: str, workdir: str) -> None:
 
 
 def wait_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    print("LEFT " + json.dumps([p for p in pids if alive(p)]), flush=True)
+    print("LEFT " + json.dumps(wait_until_gone(pids, timeout)), flush=True)
 
 
 def main() -> None:
@@ -230,7 +220,7 @@ def main() -> None:
     finally:
         session.close()
     time.sleep(0)  # nothing to wait for: close() returned after the agents ended
-    report["agents_alive_after_close"] = [p for p in report.get("agent_pids", []) if alive(p)]
+    report["agents_alive_after_close"] = [p for p in report.get("agent_pids", []) if is_alive(p)]
     report["leftovers_after_close"] = leftovers()
     print("REPORT " + json.dumps(report), flush=True)
 
