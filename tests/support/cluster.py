@@ -284,18 +284,16 @@ class SimulatedCluster:
 
     def _spec(self) -> dict:
         common = ["--object-store-memory", str(self._store), "--disable-usage-stats"]
-        nodes = []
-        for i, ip in enumerate(self.gpu_node_ips):
-            nodes.append({"name": f"g{i + 1}", "args": [
+
+        def node(name: str, ip: str, *resources: str) -> dict:
+            return {"name": name, "args": [
                 "--address", self.address, "--node-ip-address", ip, "--temp-dir",
-                os.path.join(self.base, f"g{i + 1}"), "--num-cpus", str(self._cpus),
-                "--num-gpus", str(self.gpus_per_node), "--resources", '{"gpu_node": 1}',
-                *common]})
-        for i, ip in enumerate(self.cpu_node_ips):
-            nodes.append({"name": f"c{i + 1}", "args": [
-                "--address", self.address, "--node-ip-address", ip, "--temp-dir",
-                os.path.join(self.base, f"c{i + 1}"), "--num-cpus", str(self._cpus),
-                "--resources", '{"cpu_node": 1}', *common]})
+                os.path.join(self.base, name), "--num-cpus", str(self._cpus), *resources, *common]}
+
+        nodes = [node(f"g{i + 1}", ip, "--num-gpus", str(self.gpus_per_node), "--resources", '{"gpu_node": 1}')
+                 for i, ip in enumerate(self.gpu_node_ips)]
+        nodes += [node(f"c{i + 1}", ip, "--resources", '{"cpu_node": 1}')
+                  for i, ip in enumerate(self.cpu_node_ips)]
         head = ["--head", "--node-ip-address", HEAD_IP, "--port", str(PORT), "--temp-dir",
                 os.path.join(self.base, "h"), "--num-cpus", "0", "--num-gpus", "0",
                 "--include-dashboard=false", "--ray-client-server-port", str(CLIENT_PORT), *common]

@@ -101,35 +101,15 @@ class Kernel:
         return self.kc.execute(code)
 
     def reply(self, msg_id: str, timeout: float = CELL_TIMEOUT) -> dict:
-        """The shell reply to request ``msg_id``; replies to other requests (an earlier cell
-        that timed out, say) are skipped, never taken for this one's."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
-            try:
-                msg = self.kc.get_shell_msg(timeout=min(remaining, 1))
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") == msg_id:
-                return msg
+        """The shell reply to request ``msg_id`` (see :func:`_answers`)."""
+        for msg in _answers(self.kc.get_shell_msg, msg_id, timeout):
+            return msg
+        raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
 
     def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None) -> CellRun:
         msg_id = self.execute(code)
         out = CellRun()
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._abandon(msg_id)
-                raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1))
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
+        for msg in _answers(self.kc.get_iopub_msg, msg_id, timeout):
             out.messages.append(msg)
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
@@ -147,6 +127,9 @@ class Kernel:
                 out.displays.append((kind, content["data"]))
             elif kind == "status" and content["execution_state"] == "idle":
                 break
+        else:  # no idle status in time
+            self._abandon(msg_id)
+            raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
         out.status = self.reply(msg_id)["content"]["status"]
         return out
 
@@ -170,6 +153,20 @@ class Kernel:
         self.km.shutdown_kernel(now=True)
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _answers(get, msg_id: str, timeout: float):
+    """The messages ``get`` (a channel's ``get_*_msg``) returns that answer request ``msg_id``,
+    for up to ``timeout`` s (then the generator ends); answers to other requests (an earlier
+    cell that timed out, say) are skipped, never taken for this one's."""
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            msg = get(timeout=min(remaining, 1))
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id:
+            yield msg
 
 
 def shm_entries() -> set[str]:

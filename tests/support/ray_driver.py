@@ -34,17 +34,19 @@ ray_launcher.RayLauncher.start = _recording_start
 
 
 class Recorder:
-    """A sink that keeps every line, and marks a file when a line it waits for arrives (the
-    rank waits for that file: proof that output reaches the kernel while the rank runs)."""
+    """A sink that keeps every line and, the first time output containing ``seen`` arrives,
+    calls ``then()`` (a scenario's move while the job runs: mark a file the rank waits for,
+    kill an agent, report the job's pids)."""
 
-    def __init__(self, mark_on: str = "", mark: str = ""):
+    def __init__(self, seen: str = "", then=None):
         self.lines: list[str] = []
-        self.mark_on, self.mark = mark_on, mark
+        self.seen, self.then = seen, then
 
     def write(self, stream: str, text: str) -> None:
         self.lines.extend(text.splitlines())
-        if self.mark_on and self.mark_on in text:
-            open(self.mark, "w").close()
+        if self.then is not None and self.seen in text:
+            then, self.then = self.then, None
+            then()
 
     def progress(self, key, stream, text, final) -> None:
         self.lines.append(text)
@@ -161,15 +163,8 @@ def orphan(address: str, workdir: str) -> None:
     session.use_cluster(address)
     launcher = session.launcher_for(address)
     agents = [i["pid"] for i in launcher._describe(launcher.nodes()).values()]
-    sink = Recorder()
-    sink_write = sink.write
-
-    def report_pids(stream, text):
-        sink_write(stream, text)
-        if "hanging" in text:
-            print("PIDS " + json.dumps(agents + list(started[-1]._pids.values())), flush=True)
-
-    sink.write = report_pids
+    sink = Recorder("hanging", lambda: print("PIDS " + json.dumps(agents + list(started[-1]._pids.values())),
+                                               flush=True))
     run(session, HANG_CELL, "--gpus 2", sink)
 
 
@@ -192,7 +187,7 @@ def main() -> None:
         report["warm"] = [run(session, ENV_CELL, "--gpus 2")["wall_s"] for _ in range(5)]
         mark = os.path.join(workdir, "seen-first-line")
         report["live"] = run(session, LIVE_CELL.format(mark=mark), "--gpus 2",
-                             Recorder("first line", mark))
+                             Recorder("first line", lambda: open(mark, "w").close()))
         report["fail"] = run(session, FAIL_CELL, "--gpus 2")
         report["restart"] = run(session, RESTART_CELL, "--gpus 2 --max-restarts 1")
         report["too_many"] = run(session, ENV_CELL, "--gpus 3")
@@ -201,18 +196,11 @@ def main() -> None:
         # An agent that dies: its ranks end as killed (-9), the job stops, nothing is left.
         launcher = session.launcher_for(address)
         agents = launcher._describe(launcher.nodes())
-        sink = Recorder()
-        sink_write = sink.write
+        def kill_agents():
+            for info in agents.values():
+                os.kill(info["pid"], signal.SIGKILL)
 
-        def kill_agent_on_output(stream, text):
-            sink_write(stream, text)
-            if "hanging" in text and not getattr(sink, "killed", False):
-                sink.killed = True
-                for info in agents.values():
-                    os.kill(info["pid"], signal.SIGKILL)
-
-        sink.write = kill_agent_on_output
-        report["agent_death"] = run(session, HANG_CELL, "--gpus 2", sink)
+        report["agent_death"] = run(session, HANG_CELL, "--gpus 2", Recorder("hanging", kill_agents))
         report["after_agent_death"] = run(session, ENV_CELL, "--gpus 2")
         report["agent_pids"] = [i["pid"] for i in launcher._describe(launcher.nodes()).values()]
     except Exception:  # broad: the test shows whatever went wrong
