@@ -122,3 +122,12 @@ def test_every_folder_with_test_modules_is_a_package():
                     missing.add(folder.relative_to(ROOT).as_posix())
                 folder = folder.parent
     assert not missing, f"add an __init__.py to: {sorted(missing)}"
+
+
+def test_support_imports_nothing_of_the_tests_outside_it():
+    """tests/support sits below every test module: it never reaches up into them."""
+    reaching = {(path.relative_to(ROOT).as_posix(), name)
+                for path in modules() if "support" in path.relative_to(TESTS).parts[:1]
+                for name in imported(path)
+                if name.startswith("tests.") and not name.startswith("tests.support")}
+    assert not reaching, sorted(reaching)
