@@ -45,7 +45,7 @@ def clean(kernel):
         assert [process_name(s) for s in starters] in ([], ["taas-start"])
         for starter in starters:
             # Each child ends, or is (or, just forked ahead, becomes) an idle taas-ready one.
-            def settled():
+            def settled(starter=starter):  # bound now (wait_for calls it in this iteration anyway)
                 try:
                     return all(c.status() == psutil.STATUS_ZOMBIE or process_name(c) == "taas-ready"
                                for c in starter.children())

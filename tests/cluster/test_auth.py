@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.support.kernel_driver import cell
+from tests.support.paths import with_repo_on_path
 
 pytestmark = pytest.mark.cluster
 
@@ -31,8 +32,7 @@ print("RESULT " + json.dumps(out))
 def connect(cluster, tmp_path, auth: bool, address: str | None = None) -> dict:
     home = tmp_path / "home"
     home.mkdir()
-    env = dict(os.environ, HOME=str(home),
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    env = with_repo_on_path(dict(os.environ, HOME=str(home)))
     run = cluster.run([sys.executable, "-c", cell(CONNECT.format(address=address or cluster.address))],
                       cwd=tmp_path, auth=auth, env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]

@@ -18,9 +18,9 @@ import signal
 
 import pytest
 
-from tests.support.cluster_helpers import LOADER_SETUP, agents, job_processes, placement_groups_left, relays, sleeping_job
+from tests.support.cluster_helpers import (LOADER_CELL, LOADER_SETUP, agents, agents_of, connected_kernel,
+                                          job_processes, placement_groups_left, relays, sleeping_job)
 from tests.support.kernel_driver import cell, cmdline, wait_until_gone
-from tests.cluster.test_cluster_kernel import LOADER_CELL, _agents_of
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
@@ -29,9 +29,7 @@ GRACE = 5  # the killed-kernel test's reconnect grace period (s): how long its p
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster, tmp_path_factory):
-    k = ray_cluster.kernel(str(tmp_path_factory.mktemp("notebook")))
-    run = k.run(f"%taas cluster {ray_cluster.client_address}")
-    assert run.error is None, run.traceback
+    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"), address=ray_cluster.client_address)
     yield k
     k.run("%taas cluster local")
     k.shutdown()
@@ -87,7 +85,7 @@ def test_a_registered_loader_feeds_ranks_through_ray_client(kernel, ray_cluster)
 def test_percent_taas_cluster_local_ends_the_ray_client_connection(kernel, ray_cluster):
     run = kernel.run("%%taas --gpus 4\nprint('warm', flush=True)")
     assert run.error is None, run.traceback
-    ours = _agents_of(kernel, ray_cluster)
+    ours = agents_of(kernel, ray_cluster)
     assert len(ours) >= 2, ours
     local = kernel.run("%taas cluster local")
     assert local.error is None, local.traceback
@@ -101,9 +99,9 @@ def test_a_killed_ray_client_kernel_leaves_nothing_after_the_grace_period(ray_cl
     """The proxy driver lingers for the kernel's reconnect grace period, then ends; the agents
     see their owner's job end and stop the ranks; Ray ends the agents."""
     others = set(agents(ray_cluster))
-    k = ray_cluster.kernel(str(tmp_path), env={"RAY_CLIENT_RECONNECT_GRACE_PERIOD": str(GRACE)})
+    k = connected_kernel(ray_cluster, tmp_path, address=ray_cluster.client_address,
+                         env={"RAY_CLIENT_RECONNECT_GRACE_PERIOD": str(GRACE)})
     try:
-        assert k.run(f"%taas cluster {ray_cluster.client_address}").error is None
         kernel_pid, ranks, mine = sleeping_job(ray_cluster, k, others)
         os.kill(kernel_pid, signal.SIGKILL)
         assert wait_until_gone(ranks, timeout=GRACE + 60) == [], [cmdline(p) for p in job_processes(ray_cluster)]

@@ -9,19 +9,12 @@ import time
 
 import pytest
 
-from tests.support.cluster_helpers import (LOADER_SETUP, agents, connected_kernel, job_processes,
-                                   placement_groups_left, relays, sleeping_job)
+from tests.support.cluster_helpers import (LOADER_CELL, LOADER_SETUP, agents, agents_of, connected_kernel,
+                                          job_processes, placement_groups_left, relays, sleeping_job)
+from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
 from tests.support.kernel_driver import cell, cmdline, plain, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster, tmp_path_factory):
-    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"))
-    yield k
-    k.run("%taas cluster local")  # ends the connection: agents and placement groups go
-    k.shutdown()
 
 
 def test_percent_taas_shows_the_cluster(kernel, ray_cluster):
@@ -119,9 +112,8 @@ def test_rank_zeros_file_is_in_the_working_directory(kernel):
 
 def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
     others = set(agents(ray_cluster))  # another kernel's agents (the module's) stay
-    k = ray_cluster.kernel(str(tmp_path))
+    k = connected_kernel(ray_cluster, tmp_path)
     try:
-        assert k.run(f"%taas cluster {ray_cluster.address}").error is None
         kernel_pid, ranks, mine = sleeping_job(ray_cluster, k, others)
         import os
         import signal
@@ -135,31 +127,6 @@ def test_a_killed_kernel_leaves_nothing_on_any_node(ray_cluster, tmp_path):
         assert placement_groups_left(ray_cluster) == "0"
     finally:
         k.shutdown()
-
-
-LOADER_CELL = """
-%%taas --gpus 4 --cpus 2 --units 400
-import os, json, torch
-import psutil
-
-def relays_listening():  # where the job's relays listen (one lives while a rank of its node does)
-    ips = []
-    for p in psutil.process_iter(["name"]):
-        if p.info["name"] == "taas-data-relay":
-            conns = getattr(p, "net_connections", None) or p.connections
-            ips += [c.laddr.ip for c in conns("tcp") if c.status == "LISTEN"]
-    return ips
-
-got, nodes, relay_ips = [], set(), None
-for b in fed:
-    if relay_ips is None:  # while this rank reads, its node's relay is there
-        relay_ips = relays_listening()
-    i = int(b["i"])
-    assert torch.equal(b["x"], torch.full((1, 8), float(i))), (i, b["x"])
-    got.append(i)
-    nodes.update(b["node"])
-print("FED", json.dumps([os.environ["TAAS_NODE_ID"], sorted(nodes), got, sorted(relay_ips or [])]), flush=True)
-"""
 
 
 def test_a_registered_loader_feeds_ranks_on_both_gpu_nodes_from_the_cpu_node(kernel, ray_cluster):
@@ -200,7 +167,7 @@ def test_percent_taas_cluster_local_ends_the_connection(kernel, ray_cluster):
         print("warm", flush=True)
         """))
     assert run.error is None, run.traceback
-    ours = _agents_of(kernel, ray_cluster)
+    ours = agents_of(kernel, ray_cluster)
     assert len(ours) >= 2, ours  # one per GPU node at least
     local = kernel.run("%taas cluster local")
     assert local.error is None, local.traceback
@@ -208,21 +175,3 @@ def test_percent_taas_cluster_local_ends_the_connection(kernel, ray_cluster):
     assert placement_groups_left(ray_cluster) == "0"
     again = kernel.run(f"%taas cluster {ray_cluster.address}")  # as the module's fixture left it
     assert again.error is None, again.traceback
-
-
-def _agents_of(kernel, ray_cluster) -> list[int]:
-    """The (outer) pids of this kernel's agents: they report their pids inside the namespace
-    (``describe()``), which /proc/PID/status's NSpid line maps."""
-    run = kernel.run("import taas\n"
-                     "print(sorted(i['pid'] for i in taas._loaded['session']._cluster_launcher._info.values()))")
-    inner = set(eval(run.stdout.strip()))
-    found = []
-    for pid in agents(ray_cluster):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                nspid = next(line.split()[-1] for line in f if line.startswith("NSpid:"))
-        except (OSError, StopIteration):  # gone meanwhile
-            continue
-        if int(nspid) in inner:
-            found.append(pid)
-    return found

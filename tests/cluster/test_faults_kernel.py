@@ -13,7 +13,8 @@ import signal
 import pytest
 
 from tests.support.cluster_helpers import (LOADER_SETUP, agent_of, agents, connected_kernel, job_processes,
-                                   named, placement_groups_left, relays)
+                                          named, placement_groups_left, relays)
+from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
 from tests.support.kernel_driver import cell, cmdline, plain, process_name, wait_for, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -37,14 +38,6 @@ ALL_REDUCE = cell("""
     print("node", os.environ["GROUP_RANK"], flush=True)
     total = t.item()
     """)
-
-
-@pytest.fixture(scope="module")
-def kernel(ray_cluster, tmp_path_factory):
-    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"))
-    yield k
-    k.run("%taas cluster local")  # ends the connection: agents and placement groups go
-    k.shutdown()
 
 
 def run_killing(kernel, ray_cluster, code: str, victim, timeout: float = 600.0):

@@ -24,17 +24,14 @@ import time
 
 import pytest
 
-from tests.support.cluster import write_auth_token
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.cluster import missing_namespaces, write_auth_token
+from tests.support.paths import REPO_ROOT, with_repo_on_path
 
 
 def _why_skip() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (a private network namespace for Ray)"
-    for tool in ("unshare", "nsenter", "ip"):
-        if shutil.which(tool) is None:
-            return f"needs {tool}"
+    reason = missing_namespaces()
+    if reason:
+        return reason
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -108,17 +105,15 @@ def cluster():
 
 def inside(init: int, *args: str) -> list[str]:
     """A ``python -m tests.support.ray_driver ARGS`` command line that runs inside the namespaces."""
-    return ["nsenter", "--target", str(init), "--net", "--pid", "--mount", f"--wd={ROOT}",
+    return ["nsenter", "--target", str(init), "--net", "--pid", "--mount", f"--wd={REPO_ROOT}",
             sys.executable, "-m", "tests.support.ray_driver", *args]
 
 
 def driver_env(temp: str) -> dict:
     """The driver's environment: this one, taas importable, the cluster's token (what a user of
     a token-authenticated cluster has), no other RAY_ settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=os.path.join(temp, "auth_token"),
-               TMPDIR=temp)
+    env = with_repo_on_path({k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=os.path.join(temp, "auth_token"), TMPDIR=temp)
     return env
 
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.support.cluster_helpers import connected_kernel
 from tests.support.kernel_driver import cell
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -19,12 +20,8 @@ pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
 @pytest.fixture(scope="module")
 def kernel(ray_cluster, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("notebook")
-    k = ray_cluster.kernel(str(workdir))
-    run = k.run(f"%taas cluster {ray_cluster.address} --workdir copy")
-    assert run.error is None, run.traceback
-    assert "copied to every node" in run.stdout, run.stdout
-    k.workdir = workdir
+    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"), options="--workdir copy")
+    assert "copied to every node" in k.connected.stdout, k.connected.stdout
     yield k
     k.run("%taas cluster local")
     k.shutdown()
@@ -104,9 +101,8 @@ def test_an_oversized_working_directory_is_one_line(kernel, ray_cluster):
 
 def test_the_copies_are_gone_when_the_kernel_is(ray_cluster, tmp_path):
     """The kernel killed: Ray ends its agents, and each agent's guard removes its copy."""
-    k = ray_cluster.kernel(str(tmp_path))
+    k = connected_kernel(ray_cluster, tmp_path, options="--workdir copy")
     try:
-        assert k.run(f"%taas cluster {ray_cluster.address} --workdir copy").error is None
         assert k.run("open('data.txt', 'w').write('x')").error is None
         run = k.run(cell(WHERE))
         assert run.error is None, run.traceback + run.stderr

@@ -74,13 +74,21 @@ START_TIMEOUT = 600.0
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_init.py")
 
 
-def missing_requirements() -> str | None:
-    """Why a simulated cluster cannot run here (None: it can) — for a test's skip reason."""
+def missing_namespaces() -> str | None:
+    """Why Ray cannot be run in a private network and PID namespace here (None: it can)."""
     if os.geteuid() != 0:
         return "needs root (network and PID namespaces: unshare --net --pid)"
     for tool in ("unshare", "nsenter", "ip"):
         if shutil.which(tool) is None:
             return f"needs the `{tool}` command"
+    return None
+
+
+def missing_requirements() -> str | None:
+    """Why a simulated cluster cannot run here (None: it can) — for a test's skip reason."""
+    reason = missing_namespaces()
+    if reason:
+        return reason
     if _ray_executable() is None:
         return "needs ray (pip install ray), with its `ray` command next to this python"
     try:
@@ -161,7 +169,7 @@ class SimulatedCluster:
                 self.failures.append(str(e))
                 if attempt + 1 == attempts:
                     raise
-                warnings.warn(f"simulated cluster: start {attempt + 1} failed, retrying: {e}")
+                warnings.warn(f"simulated cluster: start {attempt + 1} failed, retrying: {e}", stacklevel=2)
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float, sequential: bool) -> "SimulatedCluster":
@@ -276,18 +284,16 @@ class SimulatedCluster:
 
     def _spec(self) -> dict:
         common = ["--object-store-memory", str(self._store), "--disable-usage-stats"]
-        nodes = []
-        for i, ip in enumerate(self.gpu_node_ips):
-            nodes.append({"name": f"g{i + 1}", "args": [
+
+        def node(name: str, ip: str, *resources: str) -> dict:
+            return {"name": name, "args": [
                 "--address", self.address, "--node-ip-address", ip, "--temp-dir",
-                os.path.join(self.base, f"g{i + 1}"), "--num-cpus", str(self._cpus),
-                "--num-gpus", str(self.gpus_per_node), "--resources", '{"gpu_node": 1}',
-                *common]})
-        for i, ip in enumerate(self.cpu_node_ips):
-            nodes.append({"name": f"c{i + 1}", "args": [
-                "--address", self.address, "--node-ip-address", ip, "--temp-dir",
-                os.path.join(self.base, f"c{i + 1}"), "--num-cpus", str(self._cpus),
-                "--resources", '{"cpu_node": 1}', *common]})
+                os.path.join(self.base, name), "--num-cpus", str(self._cpus), *resources, *common]}
+
+        nodes = [node(f"g{i + 1}", ip, "--num-gpus", str(self.gpus_per_node), "--resources", '{"gpu_node": 1}')
+                 for i, ip in enumerate(self.gpu_node_ips)]
+        nodes += [node(f"c{i + 1}", ip, "--resources", '{"cpu_node": 1}')
+                  for i, ip in enumerate(self.cpu_node_ips)]
         head = ["--head", "--node-ip-address", HEAD_IP, "--port", str(PORT), "--temp-dir",
                 os.path.join(self.base, "h"), "--num-cpus", "0", "--num-gpus", "0",
                 "--include-dashboard=false", "--ray-client-server-port", str(CLIENT_PORT), *common]

@@ -1,21 +1,43 @@
-"""What the simulated-cluster kernel tests share: finding taas's processes inside the cluster
-(by the names the start process gives them), its agents, and what a job left in the cluster
-(placement groups)."""
+"""What the simulated-cluster kernel tests share: a kernel connected to the cluster, finding
+taas's processes inside it (by the names the start process gives them), its agents, what a job
+left in the cluster (placement groups), and the cells several test modules run.
+
+The harness itself (namespace, nodes, running a command inside) is tests/support/cluster.py;
+this module knows taas (its process names, its session's agents), that one does not."""
 
 from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.support.kernel_driver import cmdline, process_name, wait_for
 
 
-def connected_kernel(ray_cluster, workdir):
-    """A kernel inside the cluster's namespace, in ``workdir``, connected with ``%taas cluster``."""
-    k = ray_cluster.kernel(str(workdir))
-    run = k.run(f"%taas cluster {ray_cluster.address}")
+def connected_kernel(ray_cluster, workdir, address: str | None = None, options: str = "",
+                     env: dict | None = None):
+    """A kernel inside the cluster's namespace, in ``workdir``, connected with ``%taas cluster
+    ADDRESS OPTIONS`` (default: the cluster's GCS address); that cell's run is ``k.connected``.
+    A kernel that cannot connect is shut down before the assertion fails."""
+    k = ray_cluster.kernel(str(workdir), env=env)
+    run = k.run(f"%taas cluster {address or ray_cluster.address} {options}".rstrip())
+    if run.error is not None:
+        k.shutdown()
     assert run.error is None, run.traceback
     k.workdir = workdir
+    k.connected = run
     return k
+
+
+@pytest.fixture(scope="module", name="kernel")
+def connected_module_kernel(ray_cluster, tmp_path_factory):
+    """The ``kernel`` fixture of a module that imports this one: connected to the cluster's GCS
+    address, in a fresh notebook directory.  ``%taas cluster local`` at the end ends the
+    connection: its agents and placement groups go."""
+    k = connected_kernel(ray_cluster, tmp_path_factory.mktemp("notebook"))
+    yield k
+    k.run("%taas cluster local")
+    k.shutdown()
 
 
 def named(ray_cluster, *prefixes: str) -> list:
@@ -33,9 +55,14 @@ def relays(ray_cluster) -> list:
     return named(ray_cluster, "taas-data-rela")
 
 
+def _is_agent(process) -> bool:
+    """Whether ``process`` is a NodeAgent actor's worker (Ray names the actor class in its argv)."""
+    return "NodeAgent" in " ".join(cmdline(process))
+
+
 def agents(ray_cluster) -> list[int]:
     """The pids of every NodeAgent actor's worker process in the cluster."""
-    return [p.pid for p in ray_cluster.processes() if "NodeAgent" in " ".join(cmdline(p))]
+    return [p.pid for p in ray_cluster.processes() if _is_agent(p)]
 
 
 def agent_of(process) -> int | None:
@@ -43,11 +70,29 @@ def agent_of(process) -> int | None:
     ancestor: agent -> guard -> start process -> rank)."""
     try:
         for parent in process.parents():
-            if "NodeAgent" in " ".join(cmdline(parent)):
+            if _is_agent(parent):
                 return parent.pid
     except Exception:  # broad: psutil.Error, the process ended meanwhile
         pass
     return None
+
+
+def agents_of(kernel, ray_cluster) -> list[int]:
+    """The (outer) pids of this kernel's agents: they report their pids inside the namespace
+    (``describe()``), which /proc/PID/status's NSpid line maps."""
+    run = kernel.run("import taas\n"
+                     "print(sorted(i['pid'] for i in taas._loaded['session']._cluster_launcher._info.values()))")
+    inner = set(eval(run.stdout.strip()))
+    found = []
+    for pid in agents(ray_cluster):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                nspid = next(line.split()[-1] for line in f if line.startswith("NSpid:"))
+        except (OSError, StopIteration):  # gone meanwhile
+            continue
+        if int(nspid) in inner:
+            found.append(pid)
+    return found
 
 
 def placement_groups_left(ray_cluster, wait: float = 30.0) -> str:
@@ -81,6 +126,33 @@ fed = DataLoader(Where(), batch_size=1)
 taas.register(fed)
 cpu_nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("cpu_node"))
 print("CPU", ",".join(cpu_nodes))
+"""
+
+
+# Ranks on both GPU nodes read the registered ``fed`` (LOADER_SETUP) and print, as one JSON line,
+# their node, the nodes that loaded their units, the units, and where their node's relay listens.
+LOADER_CELL = """
+%%taas --gpus 4 --cpus 2 --units 400
+import os, json, torch
+import psutil
+
+def relays_listening():  # where the job's relays listen (one lives while a rank of its node does)
+    ips = []
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] == "taas-data-relay":
+            conns = getattr(p, "net_connections", None) or p.connections
+            ips += [c.laddr.ip for c in conns("tcp") if c.status == "LISTEN"]
+    return ips
+
+got, nodes, relay_ips = [], set(), None
+for b in fed:
+    if relay_ips is None:  # while this rank reads, its node's relay is there
+        relay_ips = relays_listening()
+    i = int(b["i"])
+    assert torch.equal(b["x"], torch.full((1, 8), float(i))), (i, b["x"])
+    got.append(i)
+    nodes.update(b["node"])
+print("FED", json.dumps([os.environ["TAAS_NODE_ID"], sorted(nodes), got, sorted(relay_ips or [])]), flush=True)
 """
 
 

@@ -15,6 +15,8 @@ import psutil
 from jupyter_client import KernelManager
 from traitlets import List, Unicode
 
+from tests.support.paths import with_repo_on_path
+
 
 # No downloads: Hugging Face libraries in the kernel and its ranks (which inherit it) stay offline.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -80,8 +82,7 @@ class Kernel:
             self._ipc_dir = tempfile.mkdtemp(prefix="taas-kipc-")
             self.km.connection_file = os.path.join(self._ipc_dir, "kernel.json")
             self.km.ip = os.path.join(self._ipc_dir, "k")
-        env = {**os.environ, **(env or {})}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_repo_root(), env.get("PYTHONPATH")]))
+        env = with_repo_on_path({**os.environ, **(env or {})})
         self.km.start_kernel(cwd=cwd, env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
@@ -100,35 +101,15 @@ class Kernel:
         return self.kc.execute(code)
 
     def reply(self, msg_id: str, timeout: float = CELL_TIMEOUT) -> dict:
-        """The shell reply to request ``msg_id``; replies to other requests (an earlier cell
-        that timed out, say) are skipped, never taken for this one's."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
-            try:
-                msg = self.kc.get_shell_msg(timeout=min(remaining, 1))
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") == msg_id:
-                return msg
+        """The shell reply to request ``msg_id`` (see :func:`_answers`)."""
+        for msg in _answers(self.kc.get_shell_msg, msg_id, timeout):
+            return msg
+        raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
 
     def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None) -> CellRun:
         msg_id = self.execute(code)
         out = CellRun()
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._abandon(msg_id)
-                raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1))
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
+        for msg in _answers(self.kc.get_iopub_msg, msg_id, timeout):
             out.messages.append(msg)
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
@@ -146,6 +127,9 @@ class Kernel:
                 out.displays.append((kind, content["data"]))
             elif kind == "status" and content["execution_state"] == "idle":
                 break
+        else:  # no idle status in time
+            self._abandon(msg_id)
+            raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
         out.status = self.reply(msg_id)["content"]["status"]
         return out
 
@@ -171,8 +155,18 @@ class Kernel:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def _answers(get, msg_id: str, timeout: float):
+    """The messages ``get`` (a channel's ``get_*_msg``) returns that answer request ``msg_id``,
+    for up to ``timeout`` s (then the generator ends); answers to other requests (an earlier
+    cell that timed out, say) are skipped, never taken for this one's."""
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            msg = get(timeout=min(remaining, 1))
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id:
+            yield msg
 
 
 def shm_entries() -> set[str]:
@@ -207,14 +201,15 @@ def wait_until_gone(pids, timeout: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
+        alive = [p for p in alive if is_alive(p)]
         if not alive:
             return []
         time.sleep(0.05)
     return alive
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not: it has ended, unreaped)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

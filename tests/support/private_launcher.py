@@ -16,7 +16,6 @@ import dataclasses
 import os
 import pickle
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 from taas.errors import LaunchError
 from taas.launch import rendezvous
 from taas.launch.api import JobHandle, Launcher, LaunchSpec, OutputChunk, ProcessExit, Topology
+from tests.support.paths import with_repo_on_path
 
 _STREAMS = ("stdout", "stderr", "events")
 
@@ -87,8 +87,7 @@ class PrivateJob(JobHandle):
         shared = list(spec.shared_fds)
         env["TAAS_EVENTS_FD"] = str(events_w)
         env["TAAS_SHARED_FDS"] = ",".join(map(str, shared))
-        root_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root_dir, env.get("PYTHONPATH")]))
+        with_repo_on_path(env)
         try:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "tests.support.private_launcher", root, str(os.getpid())],

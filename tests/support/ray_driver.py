@@ -18,6 +18,7 @@ from taas import directive
 from taas.errors import JobFailed, LaunchError
 from taas.launch.ray import launcher as ray_launcher
 from taas.session import Session
+from tests.support.kernel_driver import is_alive, wait_until_gone
 
 started: list = []  # every RayJob of this driver, to check its processes are gone afterwards
 _start = ray_launcher.RayLauncher.start
@@ -33,33 +34,27 @@ ray_launcher.RayLauncher.start = _recording_start
 
 
 class Recorder:
-    """A sink that keeps every line, and marks a file when a line it waits for arrives (the
-    rank waits for that file: proof that output reaches the kernel while the rank runs)."""
+    """A sink that keeps every line and, the first time output containing ``seen`` arrives,
+    calls ``then()`` (a scenario's move while the job runs: mark a file the rank waits for,
+    kill an agent, report the job's pids)."""
 
-    def __init__(self, mark_on: str = "", mark: str = ""):
+    def __init__(self, seen: str = "", then=None):
         self.lines: list[str] = []
-        self.mark_on, self.mark = mark_on, mark
+        self.seen, self.then = seen, then
 
     def write(self, stream: str, text: str) -> None:
         self.lines.extend(text.splitlines())
-        if self.mark_on and self.mark_on in text:
-            open(self.mark, "w").close()
+        if self.then is not None and self.seen in text:
+            then, self.then = self.then, None
+            then()
 
     def progress(self, key, stream, text, final) -> None:
         self.lines.append(text)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def leftovers() -> list[int]:
     """Pids of processes of the jobs this driver ran that still exist."""
-    return [pid for job in started for pid in job._pids.values() if alive(pid)]
+    return [pid for job in started for pid in job._pids.values() if is_alive(pid)]
 
 
 def run(session, source, line, sink=None):
@@ -168,23 +163,13 @@ def orphan(address: str, workdir: str) -> None:
     session.use_cluster(address)
     launcher = session.launcher_for(address)
     agents = [i["pid"] for i in launcher._describe(launcher.nodes()).values()]
-    sink = Recorder()
-    sink_write = sink.write
-
-    def report_pids(stream, text):
-        sink_write(stream, text)
-        if "hanging" in text:
-            print("PIDS " + json.dumps(agents + list(started[-1]._pids.values())), flush=True)
-
-    sink.write = report_pids
+    sink = Recorder("hanging", lambda: print("PIDS " + json.dumps(agents + list(started[-1]._pids.values())),
+                                               flush=True))
     run(session, HANG_CELL, "--gpus 2", sink)
 
 
 def wait_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    print("LEFT " + json.dumps([p for p in pids if alive(p)]), flush=True)
+    print("LEFT " + json.dumps(wait_until_gone(pids, timeout)), flush=True)
 
 
 def main() -> None:
@@ -202,7 +187,7 @@ def main() -> None:
         report["warm"] = [run(session, ENV_CELL, "--gpus 2")["wall_s"] for _ in range(5)]
         mark = os.path.join(workdir, "seen-first-line")
         report["live"] = run(session, LIVE_CELL.format(mark=mark), "--gpus 2",
-                             Recorder("first line", mark))
+                             Recorder("first line", lambda: open(mark, "w").close()))
         report["fail"] = run(session, FAIL_CELL, "--gpus 2")
         report["restart"] = run(session, RESTART_CELL, "--gpus 2 --max-restarts 1")
         report["too_many"] = run(session, ENV_CELL, "--gpus 3")
@@ -211,18 +196,11 @@ def main() -> None:
         # An agent that dies: its ranks end as killed (-9), the job stops, nothing is left.
         launcher = session.launcher_for(address)
         agents = launcher._describe(launcher.nodes())
-        sink = Recorder()
-        sink_write = sink.write
+        def kill_agents():
+            for info in agents.values():
+                os.kill(info["pid"], signal.SIGKILL)
 
-        def kill_agent_on_output(stream, text):
-            sink_write(stream, text)
-            if "hanging" in text and not getattr(sink, "killed", False):
-                sink.killed = True
-                for info in agents.values():
-                    os.kill(info["pid"], signal.SIGKILL)
-
-        sink.write = kill_agent_on_output
-        report["agent_death"] = run(session, HANG_CELL, "--gpus 2", sink)
+        report["agent_death"] = run(session, HANG_CELL, "--gpus 2", Recorder("hanging", kill_agents))
         report["after_agent_death"] = run(session, ENV_CELL, "--gpus 2")
         report["agent_pids"] = [i["pid"] for i in launcher._describe(launcher.nodes()).values()]
     except Exception:  # broad: the test shows whatever went wrong
@@ -230,7 +208,7 @@ def main() -> None:
     finally:
         session.close()
     time.sleep(0)  # nothing to wait for: close() returned after the agents ended
-    report["agents_alive_after_close"] = [p for p in report.get("agent_pids", []) if alive(p)]
+    report["agents_alive_after_close"] = [p for p in report.get("agent_pids", []) if is_alive(p)]
     report["leftovers_after_close"] = leftovers()
     print("REPORT " + json.dumps(report), flush=True)
 
