@@ -2,9 +2,10 @@
 
     python benchmarks/cluster.py [--repeat 3] [--idle 10]     (as root, from the repo root)
 
-Printed per run: seconds until every node is alive (start; a retried start counts whole), seconds until a driver inside has
-connected and listed the nodes, the idle cluster's memory (RSS summed, and PSS, which counts
-shared pages once) and its CPU use over --idle seconds, then the seconds stop() takes.
+Printed per run: seconds until every node is alive (start; a retried start counts whole),
+seconds until a driver inside has connected and listed the nodes, the idle cluster's memory
+(RSS summed, and PSS, which counts shared pages once) and its CPU use over --idle seconds, then
+the seconds stop() takes.
 Which interpreter runs it matters: every Ray process imports what its environment makes it
 import (run it with the venv you want to measure).
 """
@@ -21,7 +22,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.support.cluster import SimulatedCluster, missing_requirements  # noqa: E402
+from tests.support.cluster import SimulatedCluster, missing_requirements
 
 DRIVER = ("import ray; ray.init(address='127.0.0.1:6379', log_to_driver=False); "
           "print(len(ray.nodes()))")

@@ -27,7 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.support.cluster import SimulatedCluster, missing_requirements  # noqa: E402
+from tests.support.cluster import SimulatedCluster, missing_requirements
 
 DRIVER = r'''
 import json, sys, tempfile, time
@@ -102,7 +102,7 @@ def main() -> None:
         sys.exit(f"the driver failed:\n{run.stderr[-3000:]}")
     figures = json.loads(run.stdout.strip().splitlines()[-1])
     warm = statistics.median(figures["warm"])
-    print(f"4 ranks over 2 nodes (gloo, one all_reduce), simulated cluster:")
+    print("4 ranks over 2 nodes (gloo, one all_reduce), simulated cluster:")
     print(f"  taas cold (first cell after connecting) {figures['cold']:.2f} s | taas warm median of "
           f"{len(figures['warm'])} {warm:.3f} s ({', '.join(f'{w:.3f}' for w in figures['warm'])})")
     if figures["trainer"]:

@@ -25,12 +25,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+import torch
+from torch.utils.data import DataLoader, Dataset
 
-import taas  # noqa: E402
-from taas import directive  # noqa: E402
-from taas.session import Session  # noqa: E402
+import taas
+from taas import directive
+from taas.session import Session
 
 MiB = 1 << 20
 SAMPLE = 16384  # float32 values: 64 KiB
@@ -176,7 +176,8 @@ def taas_waiting(session, units: int) -> tuple[float, list[str]]:
         taas.unregister(slow)
     rows = figures(sink.lines, "WAIT ")
     assert sum(r[2] for r in rows) == units
-    return sum(r[0] for r in rows) / sum(r[1] for r in rows), [l for l in sink.lines if "units delivered" in l]
+    delivered = [line for line in sink.lines if "units delivered" in line]
+    return sum(r[0] for r in rows) / sum(r[1] for r in rows), delivered
 
 
 def in_rank_waiting(units: int) -> float:
@@ -215,7 +216,10 @@ def main() -> None:
             runs["dl"].append(dataloader_throughput(args.units, args.touch))
             runs["mem"].append(memcpy_throughput(args.units, args.touch))
         ours, dl, mem = (statistics.median(runs[k]) for k in ("taas", "dl", "mem"))
-        rounds = lambda k: ", ".join(f"{v:.0f}" for v in runs[k])  # noqa: E731
+
+        def rounds(k):
+            return ", ".join(f"{v:.0f}" for v in runs[k])
+
         print(f"throughput, 4 MiB float32 batches, {args.units} units, median of {args.rounds} rounds"
               f"{' (consumers read every batch)' if args.touch else ''}:")
         print(f"  taas M=2 N=2              {ours:6.0f} units/s  {ours * gb:6.2f} GB/s   ({rounds('taas')})")

@@ -491,8 +491,10 @@ def main() -> None:
         return statistics.median(r[i] for r in rows)
 
     print(f"{args.ranks} ranks, {backend}, {args.steps} DDP steps, median of {args.repeat} runs")
-    print(f"  wall   torchrun {med(torchrun, 0):7.3f} s | taas cold {med(cold, 0):7.3f} s | taas warm {med(warm, 0):7.3f} s")
-    print(f"  step   torchrun {med(torchrun, 1):7.3f} ms | taas cold {med(cold, 1):7.3f} ms | taas warm {med(warm, 1):7.3f} ms")
+    print(f"  wall   torchrun {med(torchrun, 0):7.3f} s | taas cold {med(cold, 0):7.3f} s "
+          f"| taas warm {med(warm, 0):7.3f} s")
+    print(f"  step   torchrun {med(torchrun, 1):7.3f} ms | taas cold {med(cold, 1):7.3f} ms "
+          f"| taas warm {med(warm, 1):7.3f} ms")
     print(f"  ratio  cold/torchrun = {med(cold, 0) / med(torchrun, 0):.3f}   (goal <= 0.5)")
     print(f"  ratio  warm/torchrun = {med(warm, 0) / med(torchrun, 0):.3f}   (goal <= 0.05)")
     step_ratio = statistics.median([w[1] for w in warm]) / med(torchrun, 1)

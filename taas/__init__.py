@@ -30,7 +30,7 @@ _loaded: dict = {}
 # The data plane's public API (taas.register(loader), ...), imported on first use so that
 # `import taas` stays cheap (no torch).
 _DATA_API = ("register", "unregister", "is_registered", "registered", "get_worker_info", "WorkerInfo")
-__all__ = ["load_ipython_extension", "unload_ipython_extension", *_DATA_API]
+__all__ = ["load_ipython_extension", "unload_ipython_extension", *_DATA_API]  # noqa: PLE0604 (a tuple of str)
 
 
 def __getattr__(name: str):

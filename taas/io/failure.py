@@ -143,8 +143,9 @@ def render(root: ProcessEnd, others: list[ProcessEnd], name_for: Callable[[str],
         for frame in item["frames"]:
             lines.append(_frame(frame, name_for))
         lines.append(f"{red}{item['text']}{reset}")
-    if (root.record or {}).get("hint"):  # e.g. why the working directory was read-only
-        lines.append(root.record["hint"])
+    hint = (root.record or {}).get("hint")
+    if hint:  # e.g. why the working directory was read-only
+        lines.append(hint)
     if not chain and root.fault.strip():
         lines.append(f"Python stack of {root.key} when it died (faulthandler):")
         lines.extend("  " + line for line in root.fault.strip().splitlines())

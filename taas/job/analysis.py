@@ -18,11 +18,13 @@ from __future__ import annotations
 import ast
 import symtable
 import types
+import typing
 from dataclasses import dataclass
 
 __all__ = ["CellAnalysis", "analyse", "compile_cell"]
 
-_SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_SCOPES = (ast.Lambda, *_COMPREHENSIONS)
 _FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
@@ -54,12 +56,14 @@ def compile_cell(
     # Padding (rather than ast.increment_lineno) puts SyntaxErrors at the right line too.
     tree = ast.parse("\n" * (first_line - 1) + source, filename)
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = compile(ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
+    tail = tree.body[-1] if tree.body else None
+    if isinstance(tail, ast.Expr):
+        tree.body.pop()
+        last = compile(ast.Expression(tail.value), filename, "eval", dont_inherit=True)
     return compile(tree, filename, "exec", dont_inherit=True), last
 
 
-def _pos(node: ast.AST) -> tuple[int, int]:
+def _pos(node: ast.AST | types.SimpleNamespace) -> tuple[int, int]:
     return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
 
 
@@ -96,7 +100,8 @@ class _Walker:
         if name not in bound:
             self.free.add(name)
 
-    def bind(self, name: str, node: ast.AST, bound: set[str], top: bool, definite=True) -> None:
+    def bind(self, name: str, node: ast.AST | types.SimpleNamespace, bound: set[str], top: bool,
+             definite=True) -> None:
         if definite:
             bound.add(name)
         if top and (name not in self.first or _pos(node) < self.first[name]):
@@ -166,7 +171,8 @@ class _Walker:
             ex(s.test)
             self.conditional(s.body, bound, top)
             self.conditional(s.orelse, bound, top)
-        elif isinstance(s, ast.Try) or type(s).__name__ == "TryStar":
+        elif isinstance(s, ast.Try) or type(s).__name__ == "TryStar":  # try/except*: 3.11+
+            s = typing.cast(ast.Try, s)  # TryStar has Try's fields
             after_body = self.conditional(s.body, bound, top)
             for handler in s.handlers:
                 inner = set(bound)
@@ -177,7 +183,7 @@ class _Walker:
                 self.conditional(handler.body, inner, top)
             self.conditional(s.orelse, after_body, top)
             self.conditional(s.finalbody, bound, top)
-        elif type(s).__name__ == "Match":
+        elif isinstance(s, ast.Match):
             ex(s.subject)
             for case in s.cases:
                 inner = set(bound)
@@ -186,8 +192,8 @@ class _Walker:
                     self.expr(case.guard, inner, top)
                 self.conditional(case.body, inner, top)
         else:  # Expr, Return, Raise, Assert, Pass, Break, Continue, Global, Nonlocal, ...
-            for node in ast.iter_child_nodes(s):
-                ex(node)
+            for child in ast.iter_child_nodes(s):
+                ex(child)
 
     def conditional(self, stmts: list[ast.stmt], bound: set[str], top: bool) -> set[str]:
         """A body that may not run: its bindings count for ``bound`` but are not definite."""
@@ -217,7 +223,7 @@ class _Walker:
         elif isinstance(node, ast.Lambda):
             self.arguments(node.args, bound, top, None)
             self.scope(node, bound, top)
-        elif isinstance(node, _SCOPES):  # comprehensions: only the first iterable runs here
+        elif isinstance(node, _COMPREHENSIONS):  # only the first iterable runs here
             self.expr(node.generators[0].iter, bound, top)
             self.scope(node, bound, top)  # a walrus in it binds at module level: not definite
         elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:

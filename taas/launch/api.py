@@ -28,9 +28,10 @@ The process side of the contract: a process runs ``entry(spec)`` with ``spec`` i
 :class:`ProcessSpec`, in the notebook's working directory (or what its ``storage`` makes of it),
 with ``TAAS_JOB_DIR`` naming *its* directory: the launcher has put the job's files there before
 the process starts and collects the files it leaves for the kernel (:data:`RESULT`,
-:func:`error_name`, :func:`fault_name`) from it after the process ends (whether the directory is shared by the job's processes is the launcher's
-business: write only your own names).  ``TAAS_EVENTS_FD`` is a pipe for JSON event lines
-(:mod:`taas.launch.process.events`); stdout and stderr stream to the kernel.
+:func:`error_name`, :func:`fault_name`) from it after the process ends (whether the directory
+is shared by the job's processes is the launcher's business: write only your own names).
+``TAAS_EVENTS_FD`` is a pipe for JSON event lines (:mod:`taas.launch.process.events`); stdout
+and stderr stream to the kernel.
 
 Life of a process, as the handle reports it::
 

@@ -127,12 +127,14 @@ def merge_layers(target: str, layers: list[tuple[str, str]], since_ns: int,
 def _merge_path(target: str, rel: str, versions: list, since_ns: int, conflict_dir: str,
                 report: MergeReport) -> None:
     real = os.path.join(target, rel)
+    real_st: os.stat_result | None = None
+    unreachable = False  # a parent is a file, or unreadable: cannot be merged in place
     try:
         real_st = os.lstat(real)
     except FileNotFoundError:
-        real_st = None
-    except OSError:  # a parent is a file, or unreadable: cannot be merged in place
-        real_st = False
+        pass
+    except OSError:
+        unreachable = True
     distinct = [versions[0]]  # one per content the ranks > 0 wrote
     for v in versions[1:]:
         if not any(_same_pair(v, d) for d in distinct):
@@ -145,9 +147,9 @@ def _merge_path(target: str, rel: str, versions: list, since_ns: int, conflict_d
         clash = touched or stat.S_ISDIR(real_st.st_mode)
     else:
         differ = versions
-        clash = real_st is False or not _parents_ok(target, rel)
+        clash = unreachable or not _parents_ok(target, rel)
     if "__pycache__" in rel.split(os.sep):  # a cache: never worth a conflict
-        if real_st is None and not clash:
+        if real_st is None and not unreachable and not clash:
             try:
                 _place(distinct[0][1], real)
                 report.applied.append(rel)

@@ -72,7 +72,8 @@ def test_ranks_read_a_copy_and_rank_zeros_file_comes_back(kernel):
     again = kernel.run(cell("""
         %%taas --gpus 4
         import json, os, torch
-        print("AGAIN", json.dumps([int(os.environ["RANK"]), os.getcwd(), torch.load("model.pt")["w"].tolist()]), flush=True)
+        print("AGAIN", json.dumps([int(os.environ["RANK"]), os.getcwd(),
+                                   torch.load("model.pt")["w"].tolist()]), flush=True)
         """))
     assert again.error is None, again.traceback + again.stderr
     rows2 = {r: (c, w) for r, c, w in (json.loads(m) for m in re.findall(r"AGAIN (.*)", again.stdout))}

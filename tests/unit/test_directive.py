@@ -140,7 +140,8 @@ def test_bad_value_message_shape():
 
 
 @pytest.mark.parametrize("argline, message", [
-    ("--gpus 100000000000000000000", r"^--gpus 10000000000000000\.\.\. is more than taas runs \(1024 ranks at most\); use --gpus 1024 or fewer"),
+    ("--gpus 100000000000000000000",
+     r"^--gpus 10000000000000000\.\.\. is more than taas runs \(1024 ranks at most\); use --gpus 1024 or fewer"),
     ("--gpus 1025", r"^--gpus 1025 is more than taas runs \(1024 ranks at most\)"),
     ("--cpus 257", r"^--cpus 257 is more than taas runs \(256 loader workers per loader at most\)"),
 ])

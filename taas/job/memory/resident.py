@@ -133,7 +133,7 @@ class ResidentMemory:
             move(fd, start, length)
             os.pwrite(fd, DONE, length)  # last: the file is complete (see wait_moved)
             return
-        except BaseException as exc:  # noqa: BLE001 - this thread's end: processes must hear of it
+        except BaseException as exc:
             log.warning("moving %d bytes to shared memory failed: %s", length, exc)
         # Every address still reads the right bytes (a chunk is remapped only once it was
         # written), but the file is not complete: processes waiting for it fail, in one line.
@@ -262,7 +262,7 @@ def in_parts(work, bounds: list[int], name: str) -> None:
     def run(lo: int, hi: int) -> None:
         try:
             work(lo, hi)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1]), daemon=True, name=name)
