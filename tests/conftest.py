@@ -4,25 +4,53 @@ import psutil
 import pytest
 
 from tests.support.cluster import SimulatedCluster, missing_requirements
-
-from tests.support.kernel_driver import (Kernel, cmdline, listening_ports, process_name, shm_entries,
-                                 unmapped_shm, wait_for, wait_until_gone)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """The notebook's working directory of the module's kernel."""
-    return tmp_path_factory.mktemp("notebook")
+from tests.support.kernel_driver import (cmdline, listening_ports, process_name, shm_entries,
+                                         unmapped_shm, wait_for, wait_until_gone)
+from tests.support.launchers import LOCAL, kernel_on
 
 
 @pytest.fixture(scope="module")
-def kernel(request, workdir):
-    """One real kernel per test module, in ``workdir``, with taas loaded; the module's
-    ``KERNEL_ENV`` (a dict, if it defines one) added to its environment.  A module that needs
-    another kernel defines its own ``kernel`` fixture."""
-    k = Kernel(str(workdir), env=getattr(request.module, "KERNEL_ENV", None))
-    yield k
-    k.shutdown()
+def kernel_launcher(request):
+    """The launcher the module's ``kernel`` runs, and its ``workdir`` is for: "local" unless the
+    test is marked ``on_both_launchers`` (tests/support/launchers.py), which parametrizes this."""
+    return getattr(request, "param", LOCAL)
+
+
+@pytest.fixture(scope="module")
+def _kernels_by_launcher():
+    """The module's working directories and kernels, one of each per launcher, made when first
+    asked for and shut down at the module's end.  Kept here rather than in ``kernel``: pytest
+    sets a parametrized module fixture up again whenever its parameter changes, and a module's
+    tests on both launchers interleave with its tests on the local one only, so a launcher's
+    kernel must outlive an instance of ``kernel`` for each launcher to start once per module."""
+    workdirs: dict = {}
+    kernels: dict = {}
+    yield workdirs, kernels
+    for k in kernels.values():
+        k.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, kernel_launcher, _kernels_by_launcher):
+    """The notebook's working directory of the module's kernel (on ``kernel_launcher``)."""
+    workdirs, _ = _kernels_by_launcher
+    if kernel_launcher not in workdirs:
+        name = "notebook" if kernel_launcher == LOCAL else f"notebook-{kernel_launcher}"
+        workdirs[kernel_launcher] = tmp_path_factory.mktemp(name)
+    return workdirs[kernel_launcher]
+
+
+@pytest.fixture(scope="module")
+def kernel(request, workdir, kernel_launcher, _kernels_by_launcher):
+    """One real kernel per test module and launcher, in ``workdir``, with taas loaded; the
+    module's ``KERNEL_ENV`` (a dict, if it defines one) added to its environment.  On the local
+    launcher unless the test is ``on_both_launchers``.  A module that needs another kernel
+    defines its own ``kernel`` fixture."""
+    _, kernels = _kernels_by_launcher
+    if kernel_launcher not in kernels:
+        kernels[kernel_launcher] = kernel_on(kernel_launcher, str(workdir),
+                                             getattr(request.module, "KERNEL_ENV", None))
+    return kernels[kernel_launcher]
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from tests.support.kernel_driver import cell
+from tests.support.launchers import on_both_launchers
 
 pytestmark = pytest.mark.kernel
 
@@ -37,6 +38,7 @@ def test_timeout_shows_where_every_rank_was_and_names_the_odd_one(kernel, clean)
     assert re.search(r"Cell In\[\d+\], line 6\n    dist.barrier\(\)", text), text
 
 
+@on_both_launchers
 def test_interrupt_shows_where_every_rank_was(kernel, clean):
     seen = {}
 

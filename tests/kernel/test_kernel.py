@@ -11,10 +11,12 @@ import psutil
 import pytest
 
 from tests.support.kernel_driver import Kernel, cell, one_line_usage_error, open_files, process_name, wait_for, wait_until_gone
+from tests.support.launchers import on_both_launchers
 
 pytestmark = pytest.mark.kernel
 
 
+@on_both_launchers
 def test_pragma_cell_runs_ranks_with_notebook_code_and_brings_results_back(kernel, clean):
     setup = kernel.run(cell("""
         import torch, torch.nn as nn
@@ -54,6 +56,7 @@ def test_pragma_cell_runs_ranks_with_notebook_code_and_brings_results_back(kerne
     assert check.stdout.strip() == "Net True 3 True", check.traceback
 
 
+@on_both_launchers
 def test_magic_form_and_torchrun_environment(kernel, clean):
     run = kernel.run(cell("""
         %%taas --gpus 2
@@ -82,6 +85,7 @@ def test_datasphere_cell_calls_init_process_group_itself(kernel, clean):
     assert "[rank0] rank 0/2: 3.0" in run.stdout and "[rank1] rank 1/2: 3.0" in run.stdout
 
 
+@on_both_launchers
 def test_a_failing_rank_shows_its_traceback_with_cell_lines(kernel, clean):
     kernel.run("sentinel = 'before'")
     run = kernel.run(cell("""
@@ -115,6 +119,7 @@ def test_error_in_a_notebook_function_points_at_its_cell(kernel, clean):
     assert "ZeroDivisionError" in tb and "return 1 / x" in tb and ", in helper" in tb
 
 
+@on_both_launchers
 @pytest.mark.parametrize("body, expected", [
     ("import sys, os\nif os.environ['RANK'] == '1':\n    sys.exit(3)\nimport torch.distributed as d\nd.barrier()",
      "rank1 exited with code 3"),
@@ -131,11 +136,13 @@ def test_exits_and_signals_stop_the_job(kernel, clean, body, expected):
     assert time.monotonic() - started < 120  # stopped, not left to the 30-minute collective timeout
 
 
+@on_both_launchers
 def test_hang_is_stopped_by_timeout(kernel, clean):
     run = kernel.run("%%taas --gpus 2 --timeout 3\nimport time\nwhile True: time.sleep(0.1)")
     assert run.status == "error" and "--timeout 3s" in run.traceback
 
 
+@on_both_launchers
 def test_only_rank_zero_writes_the_working_directory(kernel, clean, workdir):
     run = kernel.run(cell("""
         %%taas --gpus 2 --storage strict
@@ -229,6 +236,7 @@ def test_cluster_line_magic_selects_this_machine_and_refuses_junk(kernel):
     assert run.error is None and "here" in run.stdout
 
 
+@on_both_launchers
 def test_interrupt_stops_every_rank(kernel, clean):
     seen = {}
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.support.kernel_driver import Kernel, OFFLINE, cell, one_line_usage_error, plain, process_name, wait_for, wait_until_gone
+from tests.support.launchers import on_both_launchers
 
 pytestmark = pytest.mark.kernel
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.kernel
 KERNEL_ENV = OFFLINE  # the module's kernel (tests/conftest.py) runs offline
 
 
+@on_both_launchers
 def test_a_failed_attempt_restarts_and_reads_rank_zeros_checkpoint(kernel, clean, workdir):
     run = kernel.run(cell("""
         %%taas --gpus 2 --max-restarts 2

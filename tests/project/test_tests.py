@@ -27,12 +27,6 @@ KNOWN: dict[tuple[str, str], str] = {
     # tests/unit/data/conftest.py or tests/support with the pair above.
     ("tests/unit/data/tcp/test_transport.py", "tests.unit.data.test_contract"):
         "fixtures move to a conftest or tests/support",
-    # Re-collects the core real-kernel tests to run them on a second launcher, by design; to go,
-    # those tests' bodies would move to tests/support and both modules would call them.
-    ("tests/kernel/test_second_launcher_kernel.py", "tests.kernel.test_kernel"): "reruns by design",
-    ("tests/kernel/test_second_launcher_kernel.py", "tests.kernel.test_doctor_kernel"): "reruns by design",
-    ("tests/kernel/test_second_launcher_kernel.py", "tests.kernel.test_restarts_kernel"): "reruns by design",
-    ("tests/kernel/test_second_launcher_kernel.py", "tests.kernel.test_storage_kernel"): "reruns by design",
 }
 
 
