@@ -17,6 +17,7 @@ once).  Not ``cudaHostRegister`` of the blocks themselves: a block returns to it
 reuse when the rank's tensors are garbage, which can be while a non-blocking copy still reads
 it; torch's pinned cache records the copy's stream and keeps the buffer until it is done.
 (``benchmarks/gpu.py`` measures both.)  CPU ranks get the blocks' tensors as before.
+
 :func:`close_views` (at the rank's exit) tells the workers this rank is gone and sends the
 figures the notebook's summary line shows.
 """
