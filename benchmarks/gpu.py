@@ -213,25 +213,42 @@ def big_values(run, rounds: int) -> dict:
 
 
 # -----------------------------------------------------------------------------------------------
+def _start_line(s: dict) -> str:
+    return (f"NCCL 1-rank job start: cold {s['nccl_cold_s']:.2f} s, warm {s['nccl_warm_s']:.2f} s "
+            f"(cold/warm {s['nccl_cold_s'] / s['nccl_warm_s']:.1f}x); warm gloo CPU job {s['gloo_warm_s']:.2f} s "
+            f"(NCCL/gloo warm {s['nccl_warm_s'] / s['gloo_warm_s']:.2f}x)")
+
+
+def _loader_line(f: dict) -> str:
+    t, d = f["taas"], f["dataloader_pin_memory"]
+    return (f"loader -> GPU: taas {t['GB_s']:.2f} GB/s (pinned: {t['pinned']}) vs DataLoader(pin_memory=True) "
+            f"{d['GB_s']:.2f} GB/s (pinned: {d['pinned']}): {t['GB_s'] / d['GB_s']:.2f}x")
+
+
+def _pinning_line(f: dict) -> str:
+    p = f["GB_s"]
+    return (f"pinning a {f['block_MiB']} MiB block: copy into pinned cache "
+            f"{p['copy_into_pinned']:.1f} GB/s, cudaHostRegister {p['register_block']:.1f} GB/s "
+            f"(copy/register {p['copy_into_pinned'] / p['register_block']:.2f}x); H2D from pinned "
+            f"{p['h2d_from_pinned']:.1f}, registered {p['h2d_from_registered']:.1f}, "
+            f"pageable {p['h2d_pageable']:.1f} GB/s (pinned/pageable {p['h2d_from_pinned'] / p['h2d_pageable']:.2f}x)")
+
+
+def _big_line(b: dict) -> str:
+    return (f"1 GiB CUDA value to the rank {b['value_to_rank_s_per_GiB']:.2f} s/GiB, 1 GiB CUDA result back "
+            f"{b['result_back_s_per_GiB']:.2f} s/GiB (goal <= 0.5: {b['result_back_s_per_GiB'] / 0.5:.2f}x of it), "
+            f"over a {b['trivial_job_s']:.2f} s trivial job")
+
+
+SECTIONS = (("start", _start_line), ("loader", _loader_line), ("pinning", _pinning_line), ("big", _big_line))
+
+
 def report(figures: dict) -> None:
-    s = figures["start"]
-    print(f"1. NCCL 1-rank job start: cold {s['nccl_cold_s']:.2f} s, warm {s['nccl_warm_s']:.2f} s "
-          f"(cold/warm {s['nccl_cold_s'] / s['nccl_warm_s']:.1f}x); warm gloo CPU job {s['gloo_warm_s']:.2f} s "
-          f"(NCCL/gloo warm {s['nccl_warm_s'] / s['gloo_warm_s']:.2f}x)")
-    t, d = figures["loader"]["taas"], figures["loader"]["dataloader_pin_memory"]
-    print(f"2. loader -> GPU: taas {t['GB_s']:.2f} GB/s (pinned: {t['pinned']}) vs DataLoader(pin_memory=True) "
-          f"{d['GB_s']:.2f} GB/s (pinned: {d['pinned']}): {t['GB_s'] / d['GB_s']:.2f}x")
-    p = figures["pinning"]["GB_s"]
-    print(f"3. pinning a {figures['pinning']['block_MiB']} MiB block: copy into pinned cache "
-          f"{p['copy_into_pinned']:.1f} GB/s, cudaHostRegister {p['register_block']:.1f} GB/s "
-          f"(copy/register {p['copy_into_pinned'] / p['register_block']:.2f}x); H2D from pinned "
-          f"{p['h2d_from_pinned']:.1f}, registered {p['h2d_from_registered']:.1f}, "
-          f"pageable {p['h2d_pageable']:.1f} GB/s "
-          f"(pinned/pageable {p['h2d_from_pinned'] / p['h2d_pageable']:.2f}x)")
-    b = figures["big"]
-    print(f"4. 1 GiB CUDA value to the rank {b['value_to_rank_s_per_GiB']:.2f} s/GiB, 1 GiB CUDA result back "
-          f"{b['result_back_s_per_GiB']:.2f} s/GiB (goal <= 0.5: {b['result_back_s_per_GiB'] / 0.5:.2f}x of it), "
-          f"over a {b['trivial_job_s']:.2f} s trivial job")
+    for i, (name, line) in enumerate(SECTIONS, 1):
+        if name not in figures:
+            continue
+        f = figures[name]
+        print(f"{i}. " + (f"{name}: failed: {f['error']}" if "error" in f else line(f)))
 
 
 def main() -> int:
@@ -256,11 +273,20 @@ def main() -> int:
         return run_cell(session, source, options, namespace)
 
     figures: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    measure = {  # in this order: the start first, while the session is cold
+        "start": lambda: start_times(session, run, args.rounds),
+        "loader": lambda: loader_rates(run, args.rounds, args.units, args.workers),
+        "pinning": lambda: pinning_costs(args.rounds),
+        "big": lambda: big_values(run, args.rounds),
+    }
+    failed = False
     try:
-        figures["start"] = start_times(session, run, args.rounds)  # first: the session is cold
-        figures["loader"] = loader_rates(run, args.rounds, args.units, args.workers)
-        figures["pinning"] = pinning_costs(args.rounds)
-        figures["big"] = big_values(run, args.rounds)
+        for name, fn in measure.items():
+            try:
+                figures[name] = fn()
+            except Exception as exc:  # one section failing still leaves the others' figures
+                figures[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                failed = True
     finally:
         session.close()
     print(f"{figures['device']}, torch {figures['torch']}")
@@ -268,7 +294,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
