@@ -122,7 +122,7 @@ class DataPlane:
                 batch_size=getattr(loader, "batch_size", None),
                 dataset_len=_len(getattr(loader, "dataset", None)),
                 dataset_type=type(getattr(loader, "dataset", loader)).__name__,
-                pin_memory=bool(getattr(loader, "pin_memory", False)) and self.device == "cuda",
+                device=self.device,  # a CUDA rank's view pins its batches (view.pinning_for)
             )
 
     def cleanups(self) -> tuple:

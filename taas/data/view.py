@@ -8,6 +8,16 @@ the next ``for`` goes on with the next pass, until K units are used up.  A ``for
 
 :func:`install_views` (called by the rank runtime before the cell runs) waits until every
 loader worker has its first slice ready, so the cell starts with data at hand.
+
+On a CUDA rank every tensor the view yields is in pinned (page-locked) host memory, as
+``DataLoader(pin_memory=True)`` gives them, so ``batch.to(device, non_blocking=True)`` overlaps
+the copy with compute.  The reader thread copies each unit out of its shared-memory block into
+torch's pinned-memory cache, ahead of the cell (the unit's block goes back to its worker at
+once).  Not ``cudaHostRegister`` of the blocks themselves: a block returns to its worker for
+reuse when the rank's tensors are garbage, which can be while a non-blocking copy still reads
+it; torch's pinned cache records the copy's stream and keeps the buffer until it is done.
+(``benchmarks/gpu.py`` measures both.)  CPU ranks get the blocks' tensors as before.
+
 :func:`close_views` (at the rank's exit) tells the workers this rank is gone and sends the
 figures the notebook's summary line shows.
 """
@@ -15,9 +25,14 @@ figures the notebook's summary line shows.
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import os
 import threading
 import time
+from collections.abc import Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass
+from typing import Callable
 
 from taas.data.plan import Plan, share
 from taas.data.transport import PASS_END, attach
@@ -34,9 +49,10 @@ def view_named(name: str) -> "LoaderView":
 
 def install_views(loaders: dict, namespace: dict) -> None:
     rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     started = time.perf_counter()
     for cfg in loaders.values():
-        view = LoaderView(cfg, rank)
+        view = LoaderView(cfg, rank, pinning_for(cfg.get("device"), local_rank))
         _views.append(view)
         for alias in cfg["names"]:
             namespace[alias] = view
@@ -58,6 +74,81 @@ def close_views() -> None:
             view._close()
         except Exception:  # at exit, best effort: the transport's resources die with the job anyway
             pass
+
+
+# -- pinned batches on CUDA ranks ----------------------------------------------------------
+def _pin_tensor(t):
+    """``t`` copied into pinned host memory (torch's cache of page-locked buffers: after the
+    first units no new ``cudaHostAlloc``); a leaf that required grad still does."""
+    p = t.detach().pin_memory()
+    return p.requires_grad_(True) if t.requires_grad else p
+
+
+def _cuda_thread(device: int) -> None:
+    """The reader thread's set-up before it pins, as DataLoader's pin thread does: the rank's
+    GPU is this thread's current device (CUDA's is per thread; a thread left on device 0 would
+    make every rank open a context on GPU 0), and one CPU thread for the copies."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.cuda.set_device(device)
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """How a CUDA rank's view pins: ``device`` is the rank's GPU; ``tensor`` pins one CPU
+    tensor and ``thread`` prepares the reader thread (seams: CPU tests pass fakes)."""
+
+    device: int
+    tensor: Callable = _pin_tensor
+    thread: Callable = _cuda_thread
+
+
+def pinning_for(device: str | None, local_rank: int) -> Pinning | None:
+    """The decision, as data: a rank whose device is CUDA gets pinned batches on its GPU
+    (``cuda:LOCAL_RANK``); a CPU rank (or a job that did not say) gets the blocks' tensors."""
+    if device is None or str(device).partition(":")[0] != "cuda":
+        return None
+    return Pinning(local_rank)
+
+
+def pinned(value, pin: Callable):
+    """``value`` with every CPU tensor in it replaced by ``pin(tensor)``, its structure kept
+    (the walk of ``torch.utils.data``'s ``pin_memory``, plus dataclasses: the codec carries
+    them).  Anything else (numpy arrays, strings, numbers) is returned as it is."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.layout == torch.strided and not value.is_pinned():
+            return pin(value)
+        return value
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, Mapping):
+        items = {k: pinned(v, pin) for k, v in value.items()}
+        try:
+            if isinstance(value, MutableMapping):  # keeps a subclass's own attributes
+                clone = copy.copy(value)
+                clone.update(items)
+                return clone
+            return type(value)(items)
+        except TypeError:
+            return items
+    if isinstance(value, tuple):
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*(pinned(v, pin) for v in value))
+        return type(value)(pinned(v, pin) for v in value)
+    if isinstance(value, MutableSequence):
+        clone = copy.copy(value)
+        for i, v in enumerate(value):
+            clone[i] = pinned(v, pin)
+        return clone
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        clone = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(clone, f.name, pinned(getattr(value, f.name), pin))  # frozen ones too
+        return clone
+    return value
 
 
 class _DatasetInfo:
@@ -92,7 +183,10 @@ class _Reader:
         view = self.view
         plan = view._plan
         u = view.rank
+        pinning = view._pinning
         try:
+            if pinning is not None:
+                pinning.thread(pinning.device)
             while u < plan.units and not self.stopped:
                 rx = view._rx[u % plan.workers]
                 header = rx.peek()
@@ -101,6 +195,8 @@ class _Reader:
                     self._put(("end", header.aux, header.unit, 0))
                     continue
                 value, nbytes = rx.take()
+                if pinning is not None:  # here, ahead of the cell: the copy overlaps its compute
+                    value = pinned(value, pinning.tensor)
                 self._put(("unit", header.unit, value, nbytes))
                 u += plan.ranks
         except BaseException as exc:  # shown where the cell asks for the unit
@@ -135,9 +231,10 @@ class _Reader:
 
 
 class LoaderView:
-    def __init__(self, cfg: dict, rank: int):
+    def __init__(self, cfg: dict, rank: int, pinning: Pinning | None = None):
         self.name = cfg["name"]
         self.rank = rank
+        self._pinning = pinning  # CUDA ranks: tensors land in pinned memory (pinning_for)
         self._plan = Plan(cfg["units"], cfg["workers"], cfg["ranks"], cfg["prefetch"])
         self._length = cfg["length"]
         self.batch_size = cfg.get("batch_size")
@@ -148,7 +245,7 @@ class LoaderView:
         for worker in self._plan.workers_of(rank):
             channel = self._plan.channel(worker, rank)
             self._channel[worker] = channel
-            self._rx[worker] = self._endpoint.receiver(channel, cfg.get("pin_memory", False))
+            self._rx[worker] = self._endpoint.receiver(channel)  # pinning is the view's (above)
         self._next = rank  # the next unit this rank takes
         self._pass = 0  # the pass the next `for` iterates
         self._starts = {0: 0}  # pass -> its first unit
