@@ -13,6 +13,7 @@ import re
 import pytest
 
 from tests.support.jupyterlab import Browser, JupyterLab, Notebook, missing_requirements
+from tests.support.paths import REPO_ROOT
 
 SCREENSHOTS = os.environ.get("TAAS_SCREENSHOTS") or os.path.join(os.path.dirname(__file__), "screenshots")
 
@@ -46,8 +47,9 @@ def notebook(request, browser, lab):
     """A notebook of its own for the module (named after it), its kernel with taas loaded."""
     name = request.module.__name__.rsplit(".", 1)[-1] + ".ipynb"
     nb = Notebook(browser, lab, name).open()
-    done = nb.run_done("%load_ext taas")
-    assert done["outputs"] == [], done
+    done = nb.run_done("%load_ext taas\nimport taas\nprint(taas.__file__)")
+    # The kernel runs this checkout's taas (the kernelspec puts it first on PYTHONPATH).
+    assert [o["text"].strip() for o in done["outputs"]] == [os.path.join(REPO_ROOT, "taas", "__init__.py")], done
     yield nb
     nb.close()
 

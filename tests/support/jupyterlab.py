@@ -64,12 +64,14 @@ def missing_requirements() -> str | None:
     missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
     if lab_executable() is None:
         missing.append("JupyterLab (.venv-lab)")
+    hints = [f"`{INSTALL}`"] if missing else []
     try:
         import selenium  # noqa: F401  (only whether it is there)
     except ImportError:
-        missing.append("selenium (the test extra)")
+        missing.append("selenium")
+        hints.append("`pip install -e '.[test]'`")
     if missing:
-        return f"no front end: {', '.join(missing)} missing; install with `{INSTALL}`"
+        return f"no front end: {', '.join(missing)} missing; install with {' and '.join(hints)}"
     return None
 
 
@@ -241,6 +243,12 @@ class Browser:
 
     def quit(self) -> list[str]:
         """End the browser and its driver; what had to be killed, described."""
+        # Chromium starts renderers as pages load: what runs now, besides what ran at start.
+        for proc in list(self._procs[:1]):
+            try:
+                self._procs += [p for p in proc.children(recursive=True) if p not in self._procs]
+            except psutil.Error:  # the driver already ended
+                pass
         if self.driver is not None:
             try:
                 self.driver.quit()
