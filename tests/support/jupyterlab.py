@@ -157,7 +157,9 @@ class JupyterLab:
                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
                 f"--LabApp.user_settings_dir={self._write_settings()}",
                 f"--LabApp.workspaces_dir={os.path.join(self.tmp, 'workspaces')}",
-                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+                # Nothing asks the internet: no update checks, no PyPI extension listing.
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                "--LabApp.extension_manager=readonly"]
         if os.geteuid() == 0:
             argv.append("--allow-root")
         with open(self.log_path, "wb") as log:
