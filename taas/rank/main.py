@@ -179,7 +179,7 @@ def _teardown(done: bool = False) -> None:
     sys.stderr.flush()
     if done:
         events.send("done")
-    if dist.is_initialized():
+    if dist.is_initialized() and nccl.leaving():  # (False: a SIGTERM's abort has the groups)
         try:
             if not done and dist.get_backend() == "nccl":
                 # Leaving on an error: a collective may still be in flight towards a peer that

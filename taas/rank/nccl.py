@@ -25,7 +25,8 @@ from collections.abc import Callable, MutableMapping
 
 _state: dict = {}  # pid -> (read end of the wakeup pipe, the old wakeup fd): installed in that pid
 _lock = threading.Lock()
-_stopping = False
+_stopping = False  # a SIGTERM is being handled: the process groups are the stop path's
+_leaving = False  # the rank tears its process groups down itself: a SIGTERM just ends it
 
 
 def prepare_environment(environ: MutableMapping[str, str]) -> None:
@@ -33,6 +34,16 @@ def prepare_environment(environ: MutableMapping[str, str]) -> None:
     environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # NCCL_DEBUG lines belong in the cell, tagged with the rank: NCCL writes them to stdout.
     environ.pop("NCCL_DEBUG_FILE", None)
+
+
+def leaving() -> bool:
+    """The rank is about to tear down its process groups itself (:func:`taas.rank.main._teardown`):
+    from now on a SIGTERM ends it without touching them.  False if a SIGTERM's abort got there
+    first: then the groups are the stop path's, and the rank must leave them alone."""
+    global _leaving
+    with _lock:
+        _leaving = True
+        return not _stopping
 
 
 def abort_process_groups() -> None:
@@ -57,9 +68,9 @@ def install_stop(abort: Callable[[], None] = abort_process_groups,
                  die: Callable[[], None] | None = None) -> None:
     """On SIGTERM: ``abort()``, then ``die()`` (by default: death by SIGTERM, as without this).
     Called in the rank's main thread; forked children (DataLoader workers) forget it."""
-    global _stopping
+    global _stopping, _leaving
     die = die or _die_of_sigterm
-    _stopping = False
+    _stopping = _leaving = False
     read, write = os.pipe()
     os.set_blocking(write, False)  # what set_wakeup_fd requires
     old = signal.set_wakeup_fd(write)
@@ -71,8 +82,10 @@ def install_stop(abort: Callable[[], None] = abort_process_groups,
             if _stopping:
                 return
             _stopping = True
+            aborting = not _leaving  # never abort groups that the main thread is destroying
         try:
-            abort()
+            if aborting:
+                abort()
         except Exception:  # we are stopping: whatever the abort says, die as asked
             pass
         die()

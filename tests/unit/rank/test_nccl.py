@@ -146,3 +146,27 @@ def test_a_gloo_rank_keeps_todays_behaviour(tmp_path):
 
 def test_an_nccl_rank_is_prepared_before_its_process_group(tmp_path):
     assert _setup_sees("nccl", tmp_path) == "1 - taas"
+
+
+def test_a_sigterm_during_the_ranks_own_teardown_ends_it_without_an_abort(tmp_path):
+    aborted = tmp_path / "aborted"
+
+    def body() -> int:
+        nccl.install_stop(abort=lambda: aborted.touch())
+        assert nccl.leaving()  # the rank destroys its groups itself from here on
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        return 0
+
+    assert exit_code(fork(body), timeout=10) == -signal.SIGTERM
+    assert not aborted.exists()
+
+
+def test_a_rank_leaves_its_groups_to_a_stop_that_came_first(tmp_path):
+    def body() -> int:
+        nccl.install_stop(abort=lambda: None, die=lambda: None)  # a stop that has not ended us yet
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        return 0 if nccl.leaving() is False else 2
+
+    assert exit_code(fork(body), timeout=10) == 0
