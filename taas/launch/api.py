@@ -267,11 +267,16 @@ class Launcher(abc.ABC):
 
 
 def cuda_device_count() -> int:
-    """This machine's CUDA devices (the one place taas counts them)."""
+    """This machine's CUDA devices (the one place taas counts them), through NVML: no CUDA
+    context, no ``cuInit`` (``torch.cuda.is_available()`` would initialise the driver, and a
+    process that did must never fork ranks).  Only where NVML itself fails (no
+    ``libnvidia-ml``) does torch fall back to ``cudaGetDeviceCount``.  Called only in the
+    kernel (session, ``check_gpus``, ``%taas``), which never forks ranks: it starts the start
+    process as a fresh interpreter (:mod:`taas.launch.local.forksafe`)."""
     from taas.shield import import_shielded
 
     # An interrupt must not cut the kernel's first `import torch` in half (taas.shield).
     import_shielded("torch", "torch.distributed")
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(0, torch.cuda.device_count())  # NVML first (torch.cuda.device_count's own rule)

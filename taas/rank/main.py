@@ -36,7 +36,7 @@ from taas.job.analysis import compile_cell
 from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
 from taas.launch.process import events, report, stacks
-from taas.rank import comm, display, patches
+from taas.rank import comm, display, nccl, patches
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,9 @@ def _setup(payload: Payload) -> None:
         # as the job's ranks on CPU (MULTI_CPU) instead of one process each.
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     patches.install(payload.device)
+    if payload.backend == "nccl":  # a fault or a stop must not leave us spinning in a collective
+        nccl.prepare_environment(os.environ)
+        nccl.install_stop()
     dist.init_process_group(
         backend=payload.backend,
         init_method="env://",
@@ -176,8 +179,13 @@ def _teardown(done: bool = False) -> None:
     sys.stderr.flush()
     if done:
         events.send("done")
-    if dist.is_initialized():
+    if dist.is_initialized() and nccl.leaving():  # (False: a SIGTERM's abort has the groups)
         try:
-            dist.destroy_process_group()
+            if not done and dist.get_backend() == "nccl":
+                # Leaving on an error: a collective may still be in flight towards a peer that
+                # will never answer; destroying would wait for it, aborting does not.
+                nccl.abort_process_groups()
+            else:
+                dist.destroy_process_group()
         except Exception:  # any backend error here follows an earlier failure
             pass  # a peer failed; the supervisor reports that failure, not this one

@@ -99,6 +99,8 @@ class LocalJob(JobHandle):
                 return
             if isinstance(message, SpawnError) and message.job_id == self.job_id:
                 self.close()
+                if message.replace:  # it is exiting (forksafe): the next job starts a new one
+                    self._close_starter()
                 raise LaunchError(message.message)
 
     def _recv_control(self, timeout: float) -> tuple[bool, Message | None]:

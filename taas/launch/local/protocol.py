@@ -98,9 +98,10 @@ class Spawned:
 class SpawnError:
     job_id: str
     message: str  # one line, for the user
+    replace: bool = False  # the start process is exiting: the kernel starts a fresh one
 
     def valid(self) -> bool:
-        return isinstance(self.job_id, str) and isinstance(self.message, str)
+        return isinstance(self.job_id, str) and isinstance(self.message, str) and isinstance(self.replace, bool)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-from taas.launch.local import child, guard, protocol, unix
+from taas.launch.local import child, forksafe, guard, protocol, unix
 from taas.launch.local.limits import raise_fd_limit
 from taas.launch.local.protocol import (
     Message,
@@ -159,6 +159,13 @@ class Starter:
         fds = protocol.recv_fds(self.sock, message.fds)
         own_count = len(protocol.STREAMS)
         shared_fds = fds[own_count * len(specs):]  # every process gets these (LaunchSpec.shared_fds)
+        refused = forksafe.refusal()
+        if refused is not None:  # never fork with CUDA initialised; a fresh start process will
+            for fd in fds:
+                os.close(fd)
+            self._tell(SpawnError(job_id, refused, replace=True))
+            self.terminated = True  # serve() shuts us down; the kernel starts a new one
+            return
         job = self.jobs[job_id] = _Job(job_id, message.job_dir)
         job.cleanups = message.cleanups
         pids: dict[str, int] = {}
@@ -193,7 +200,8 @@ class Starter:
         return self.private + tuple(ch.fileno() for ch in self.ready.values())
 
     def _fork_ahead(self) -> None:
-        while len(self.ready) < self.ready_target and not self.conn.poll(0):
+        # Never fork with CUDA initialised (the next Spawn refuses and we are replaced).
+        while len(self.ready) < self.ready_target and not self.conn.poll(0) and forksafe.refusal() is None:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             starter = os.getpid()
             pid = os.fork()
@@ -321,6 +329,7 @@ def start_process(fd: int, guard_pid: int) -> None:
     parent-death SIGTERM already set, :func:`taas.launch.local.guard.main`)."""
     unix.set_name("taas-start")
     unix.prctl(unix.PR_SET_CHILD_SUBREAPER, 1)  # orphans of a job come to us first (killed at job end)
+    forksafe.avoid_cuda_init()  # before torch: what we import must not initialise CUDA
     for name in PRELOAD:
         try:
             importlib.import_module(name)

@@ -1,0 +1,102 @@
+"""The start process never forks with CUDA initialised (a checked invariant), and taas counts
+GPUs without initialising CUDA.  On CPU the check is made to see an initialised CUDA through
+its test hook (forksafe.TEST_HOOK)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+import pytest
+
+from taas.errors import LaunchError
+from taas.launch.api import LaunchSpec, ProcessExit, ProcessSpec, cuda_device_count
+from taas.launch.local import forksafe, protocol
+from taas.launch.local.launcher import LocalLauncher
+
+
+def _spec(tmp_path, entry="echo"):
+    return LaunchSpec(f"f{time.monotonic_ns()}", str(tmp_path),
+                      (ProcessSpec("rank0", f"tests.support.launch_targets:{entry}"),))
+
+
+def _finish(job, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    codes = {}
+    while not codes:
+        assert time.monotonic() < deadline, "job did not end"
+        codes.update({ev.key: ev.returncode for ev in job.events(0.05) if isinstance(ev, ProcessExit)})
+    list(job.drain())
+    job.close()
+    return codes
+
+
+def _gone(pid, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_start_process_with_cuda_initialised_refuses_in_one_line_and_is_replaced(tmp_path, monkeypatch):
+    flag = tmp_path / "cuda-initialised"
+    monkeypatch.setenv(forksafe.TEST_HOOK, str(flag))  # the start process inherits the kernel's environment
+    launcher = LocalLauncher()
+    try:
+        launcher.start(_spec(tmp_path)).close()  # a first job: the start process is up, children forked ahead
+        first = launcher.starter_pid
+        children = [p.pid for p in psutil.Process(first).children(recursive=True)]
+        flag.touch()  # from now on the start process sees CUDA initialised
+        with pytest.raises(LaunchError) as info:
+            launcher.start(_spec(tmp_path))
+        message = str(info.value)
+        assert message == forksafe.REFUSAL and "\n" not in message
+        assert _gone(first), "the start process that saw CUDA initialised must exit"
+        assert all(_gone(pid) for pid in children), "nothing of it is left behind"
+        flag.unlink()
+        job = launcher.start(_spec(tmp_path))  # the next job works, in a fresh start process
+        assert launcher.starter_pid != first
+        assert _finish(job) == {"rank0": 0}
+    finally:
+        launcher.shutdown()
+
+
+def test_the_start_process_asks_nvml_for_cuda_availability(monkeypatch):
+    environ: dict[str, str] = {}
+    forksafe.avoid_cuda_init(environ)
+    assert environ == {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    environ = {"PYTORCH_NVML_BASED_CUDA_CHECK": "0"}  # a user's explicit choice stays
+    forksafe.avoid_cuda_init(environ)
+    assert environ == {"PYTORCH_NVML_BASED_CUDA_CHECK": "0"}
+
+
+def test_the_check_reads_torch_only_if_already_imported(monkeypatch):
+    monkeypatch.delenv(forksafe.TEST_HOOK, raising=False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert forksafe.refusal() is None and "torch" not in sys.modules
+
+
+def test_the_check_sees_torch_cuda_initialised(monkeypatch):
+    import torch
+
+    monkeypatch.delenv(forksafe.TEST_HOOK, raising=False)
+    assert forksafe.refusal() is None  # this CPU process never initialised CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert forksafe.refusal() == forksafe.REFUSAL
+
+
+def test_counting_gpus_never_initialises_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("is_available initialises the driver"))
+    assert cuda_device_count() >= 0
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_spawn_error_says_whether_the_start_process_is_exiting():
+    assert protocol.SpawnError("j", "no").replace is False
+    message = protocol.decode(protocol.encode(protocol.SpawnError("j", "no", replace=True)))
+    assert message == protocol.SpawnError("j", "no", replace=True)
