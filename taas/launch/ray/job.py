@@ -238,10 +238,14 @@ class RayJob(JobHandle):
 
     def _let_go_when_ranks_ended(self) -> None:
         """Give the GPUs back as soon as every rank has exited (a rank's exit is reported once
-        it is reaped, with its process group killed): not at close, after the results are read
-        and the loader workers stopped, so that Ray has them back by the time a cell run right
-        after this one asks (:mod:`taas.launch.ray.reservation`)."""
-        if not self._let_go and self._ranks <= self._exited:
+        it is reaped, with its process group killed) or :meth:`stop` has ended them: not at
+        close, after the results are read, so that Ray has them back by the time a cell run
+        right after this one asks (:mod:`taas.launch.ray.reservation`)."""
+        if self._ranks <= self._exited:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        if not self._let_go:
             self._let_go = True
             self._reservation.let_go(self._attempt)
 
@@ -279,8 +283,12 @@ class RayJob(JobHandle):
     def stop(self, grace: float = 1.0) -> None:
         if self._stopped or not self._agents:
             return
-        self._each("stop", grace, timeout=grace + 15)
+        stopped = self._each("stop", grace, timeout=grace + 15)
         self._stopped = True
+        # An agent's stop returns once every process of its node's share is reaped: the ranks'
+        # GPUs are free now, before their exits are read (see _let_go_when_ranks_ended).
+        if {self._node_of[key] for key in self._ranks if key in self._node_of} <= set(stopped):
+            self._give_back()
         self._bring_back()
 
     def drain(self, timeout: float = 2.0) -> list[Event]:

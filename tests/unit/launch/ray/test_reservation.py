@@ -176,3 +176,35 @@ def test_a_job_gives_its_gpus_back_as_soon_as_its_ranks_exited(fake_ray, tmp_pat
     assert fake_ray.groups.held == [] and not job.closed
     job.close()  # lets go again: nothing more to do
     assert len(fake_ray.groups.made) == 1
+
+
+def test_a_stopped_job_gives_its_gpus_back_once_every_ranks_agent_stopped_them(fake_ray, tmp_path):
+    fake_ray.set_nodes([Node("a", "10.0.1.1", gpus=2, cpus=8), Node("b", "10.0.1.2", gpus=2, cpus=8)])
+    launcher = RayLauncher("auto", workdir="shared")
+    procs = tuple(ProcessSpec(key=keys.rank_key(r), entry="m:f", rank=r) for r in range(4))
+    for node_id, ip in (("a", "10.0.1.1"), ("b", "10.0.1.2")):
+        fake_ray.agent_for(node_id, ip).do_events = lambda timeout: ([], False)  # the ranks run on
+    job = launcher.start(LaunchSpec("job1", str(tmp_path), procs))
+    job.events(0)
+    assert len(fake_ray.groups.held) == 1
+    job.stop()  # every rank's agent answered: its processes are reaped
+    assert fake_ray.groups.held == []
+    job.close()
+
+
+def test_a_stop_that_a_ranks_agent_did_not_answer_keeps_the_gpus_until_close(fake_ray, tmp_path):
+    fake_ray.set_nodes([Node("a", "10.0.1.1", gpus=2, cpus=8), Node("b", "10.0.1.2", gpus=2, cpus=8)])
+    launcher = RayLauncher("auto", workdir="shared")
+    procs = tuple(ProcessSpec(key=keys.rank_key(r), entry="m:f", rank=r) for r in range(4))
+    for node_id, ip in (("a", "10.0.1.1"), ("b", "10.0.1.2")):
+        fake_ray.agent_for(node_id, ip).do_events = lambda timeout: ([], False)
+    job = launcher.start(LaunchSpec("job1", str(tmp_path), procs))
+
+    def no_answer(grace):
+        raise TimeoutError("the agent did not answer")
+
+    fake_ray.agents["b"].do_stop = no_answer
+    job.stop()
+    assert len(fake_ray.groups.held) == 1  # node b's ranks may still hold their GPUs
+    job.close()
+    assert fake_ray.groups.held == []
