@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from taas.errors import LaunchError
 
@@ -84,7 +85,7 @@ class Reservation:
 
     def __init__(self, fits: Callable[[list[dict]], bool | None] | None = None) -> None:
         self._lock = threading.Lock()
-        self._group = None  # the placement group
+        self._group: Any = None  # the placement group (Ray's PlacementGroup)
         self._bundles: list[dict] | None = None
         self._holders: set[str] = set()  # attempts that hold the group
         self._fits = fits or gpus_fit
