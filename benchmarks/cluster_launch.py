@@ -19,7 +19,9 @@ measures, side by side in one run:
 
 The job: 4 ranks (2 per GPU node), gloo (the nodes have no CUDA), one all_reduce.  Ratios are
 printed against Ray Train (goal for warm, back to back as after a pause: <= 0.02).  Needs
-``ray[train]`` for the comparison.
+``ray[train]`` for the comparison; where the venv lacks it, ``pip install --no-deps --target DIR
+pandas pyarrow tensorboardX`` and ``PYTHONPATH=DIR`` work (the driver and the cluster's nodes
+inherit PYTHONPATH).
 """
 
 from __future__ import annotations
