@@ -8,12 +8,20 @@ measures, side by side in one run:
 
 - taas cold: the first cell after connecting (``ray.init``, the node agents start, their start
   processes import torch), through :class:`taas.session.Session` with the Ray launcher;
-- taas warm: later cells (fresh ranks every time), median of --repeat;
+- taas warm, back to back: later cells (fresh ranks every time) each started as soon as the
+  last one returned, as Run All runs them; median of --repeat;
+- taas warm, after a pause: the same with 1 s between cells (a person reads, then runs the
+  next), median of --repeat;
+- of each warm cell, the time spent reserving the GPUs (the placement group: see
+  taas/launch/ray/reservation.py for why back to back once cost 0.5-0.7 s more);
 - Ray Train: ``TorchTrainer(train_fn, ScalingConfig(num_workers=4)).fit()`` for the same job
   (init the process group, one all_reduce), cold every time, as Ray Train is.
 
 The job: 4 ranks (2 per GPU node), gloo (the nodes have no CUDA), one all_reduce.  Ratios are
-printed against Ray Train (goal for warm <= 0.02).  Needs ``ray[train]`` for the comparison.
+printed against Ray Train (goal for warm, back to back as after a pause: <= 0.02).  Needs
+``ray[train]`` for the comparison; where the venv lacks it, ``pip install --no-deps --target DIR
+pandas pyarrow tensorboardX`` and ``PYTHONPATH=DIR`` work (the driver and the cluster's nodes
+inherit PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from tests.support.cluster import SimulatedCluster, missing_requirements
 DRIVER = r'''
 import json, sys, tempfile, time
 from taas.directive import JobOptions
+from taas.launch.ray import reservation
 from taas.launch.ray.launcher import RayLauncher
 from taas.session import Session
 
@@ -42,17 +51,29 @@ class Quiet:
     def write(self, stream, text): pass
     def progress(self, *a, **k): pass
 
+held = []  # seconds each cell spent in Reservation.hold (the GPUs' placement group)
+hold = reservation.Reservation.hold
+def timed_hold(self, *args):
+    t0 = time.perf_counter()
+    try:
+        return hold(self, *args)
+    finally:
+        held.append(time.perf_counter() - t0)
+reservation.Reservation.hold = timed_hold
+
 session = Session(launcher=RayLauncher(address))
 def taas_job():
+    held.clear()
     t0 = time.perf_counter()
     session.run_cell(CELL, {}, JobOptions(gpus=4), sink=Quiet())
-    return time.perf_counter() - t0
+    return [time.perf_counter() - t0, sum(held)]
 
-cold = taas_job()
-warm = []
+cold = taas_job()[0]
+back = [taas_job() for _ in range(repeat)]  # each as soon as the last returned (Run All)
+paused = []
 for _ in range(repeat):
     time.sleep(1.0)  # a person reads the output, then runs the next cell
-    warm.append(taas_job())
+    paused.append(taas_job())
 session.close()
 
 def train_fn():
@@ -76,7 +97,7 @@ try:
         trainer_s.append(time.perf_counter() - t0)
 except ImportError as exc:
     print(f"(no Ray Train: {exc})", file=sys.stderr)
-print(json.dumps({"cold": cold, "warm": warm, "trainer": trainer_s}))
+print(json.dumps({"cold": cold, "back": back, "paused": paused, "trainer": trainer_s}))
 '''
 
 
@@ -95,23 +116,33 @@ def main() -> None:
                 f.write(DRIVER)
             run = cluster.run([sys.executable, script, cluster.address, str(args.repeat)], cwd=workdir,
                               capture_output=True, text=True, timeout=1800,
-                              env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                  filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))))
     finally:
         cluster.stop()
     if run.returncode != 0:
         sys.exit(f"the driver failed:\n{run.stderr[-3000:]}")
     figures = json.loads(run.stdout.strip().splitlines()[-1])
-    warm = statistics.median(figures["warm"])
+    trainer = statistics.median(figures["trainer"]) if figures["trainer"] else None
     print("4 ranks over 2 nodes (gloo, one all_reduce), simulated cluster:")
-    print(f"  taas cold (first cell after connecting) {figures['cold']:.2f} s | taas warm median of "
-          f"{len(figures['warm'])} {warm:.3f} s ({', '.join(f'{w:.3f}' for w in figures['warm'])})")
-    if figures["trainer"]:
-        trainer = statistics.median(figures["trainer"])
-        print(f"  Ray Train TorchTrainer.fit {trainer:.1f} s ({', '.join(f'{t:.1f}' for t in figures['trainer'])})")
-        print(f"  ratio  warm/TorchTrainer = {warm / trainer:.4f}   (goal <= 0.02)")
-        print(f"  ratio  cold/TorchTrainer = {figures['cold'] / trainer:.3f}")
+    print(f"  {'taas cold (first cell after connecting)':<42} {figures['cold']:7.3f} s"
+          + (f"   {figures['cold'] / trainer:.3f}x TorchTrainer.fit" if trainer else ""))
+    for name, label in (("back", "taas warm, back to back (Run All)"), ("paused", "taas warm, after a 1 s pause")):
+        cells = figures[name]
+        median = statistics.median(c[0] for c in cells)
+        reserve = statistics.median(c[1] for c in cells)
+        print(f"  {label:<42} {median:7.3f} s   "
+              + (f"{median / trainer:.4f}x TorchTrainer.fit (goal <= 0.02)   " if trainer else "")
+              + f"median of {len(cells)}: {', '.join(f'{c[0]:.3f}' for c in cells)}; "
+              f"reserving GPUs {reserve:.3f} s ({', '.join(f'{c[1]:.3f}' for c in cells)})")
+    if trainer:
+        print(f"  {'Ray Train TorchTrainer.fit':<42} {trainer:7.1f} s   "
+              f"({', '.join(f'{t:.1f}' for t in figures['trainer'])})")
     else:
         print("  Ray Train not installed (pip install 'ray[train]'): no comparison")
+    back = statistics.median(c[0] for c in figures["back"])
+    paused = statistics.median(c[0] for c in figures["paused"])
+    print(f"  back to back / after a pause = {back / paused:.2f}   (goal: about 1)")
 
 
 if __name__ == "__main__":

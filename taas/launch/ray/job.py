@@ -15,7 +15,7 @@ changed comes back (:mod:`taas.launch.ray.copies`).
 The job talks to the rest of the launcher through public calls only: the cluster's agent pool
 (:class:`~taas.launch.ray.cluster.RayCluster`: ``agent``, ``forget``, ``copy_nodes``) and the
 GPU reservation (:class:`~taas.launch.ray.reservation.Reservation`: ``hold`` at launch,
-``let_go`` at close), both given to its constructor.
+``let_go`` as soon as every rank has exited, or at close), both given to its constructor.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ class RayJob(JobHandle):
         self._pending: list[Event] = []
         self._store_node: str | None = None
         self._copies = WorkdirCopies(self._ray, spec.cwd, self._attempt, workdir.limit)
+        self._ranks = {p.key for p in spec.processes if p.rank is not None}
+        self._let_go = False  # the GPU reservation given back (every rank exited, or closed)
         self._stopped = False
         self.closed = False
 
@@ -207,6 +209,7 @@ class RayJob(JobHandle):
         elif not self._pending:
             time.sleep(timeout)  # nothing outstanding: wait as the contract says, never spin
         out, self._pending = self._pending, []
+        self._let_go_when_ranks_ended()  # once the supervisor has the exits, not while launching
         return out
 
     def _wait(self, timeout: float) -> None:
@@ -232,6 +235,19 @@ class RayJob(JobHandle):
                 self._unreported(node_id)
             else:
                 self._poll(node_id)
+
+    def _let_go_when_ranks_ended(self) -> None:
+        """Give the GPUs back as soon as every rank has exited (a rank's exit is reported once
+        it is reaped, with its process group killed) or :meth:`stop` has ended them: not at
+        close, after the results are read, so that Ray has them back by the time a cell run
+        right after this one asks (:mod:`taas.launch.ray.reservation`)."""
+        if self._ranks <= self._exited:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        if not self._let_go:
+            self._let_go = True
+            self._reservation.let_go(self._attempt)
 
     def _unreported(self, node_id: str) -> None:
         """A node's job is over but some of its processes' exits never came (the agent ended
@@ -267,8 +283,12 @@ class RayJob(JobHandle):
     def stop(self, grace: float = 1.0) -> None:
         if self._stopped or not self._agents:
             return
-        self._each("stop", grace, timeout=grace + 15)
+        stopped = self._each("stop", grace, timeout=grace + 15)
         self._stopped = True
+        # An agent's stop returns once every process of its node's share is reaped: the ranks'
+        # GPUs are free now, before their exits are read (see _let_go_when_ranks_ended).
+        if {self._node_of[key] for key in self._ranks if key in self._node_of} <= set(stopped):
+            self._give_back()
         self._bring_back()
 
     def drain(self, timeout: float = 2.0) -> list[Event]:
