@@ -167,6 +167,35 @@ class BigValues:
                   _mib(untyped.nbytes()), len(self.fds) - 1)
         return len(self.fds) - 1, offset, complete
 
+    def copy_in(self, storage):
+        """A reduce tuple that maps, in the rank, a copy of ``storage`` (on a device: a CUDA
+        storage, see :mod:`taas.job.devices`) written here once, straight from the device, into
+        an unnamed shared-memory file passed by descriptor (on this machine and to a cluster
+        alike); None where it is too small, or there is no room or descriptor left."""
+        nbytes = storage.nbytes()
+        if nbytes < self.threshold or len(self.fds) >= MAX_FDS or not self._room(nbytes):
+            return None
+        import torch
+
+        try:
+            fd = _open_unnamed(self.directory, os.O_RDWR)
+        except OSError:  # a directory without O_TMPFILE
+            fd = os.memfd_create("taas-value", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            host = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+            flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            torch.empty(0, dtype=torch.uint8).set_(host).copy_(flat)  # one copy, device to shared pages
+            del host, flat
+        except (OSError, RuntimeError):  # ENOSPC (a bus error is avoided by _room): pickled instead
+            os.close(fd)
+            return None
+        self.fds.append(fd)
+        self._free -= nbytes
+        self.written += nbytes
+        log.debug("device storage of %s copied once to shared memory (#%d)", _mib(nbytes), len(self.fds) - 1)
+        return _map_storage, (len(self.fds) - 1, nbytes)
+
     def _room(self, nbytes: int) -> bool:
         if self._free is None:
             try:

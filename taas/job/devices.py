@@ -1,0 +1,192 @@
+"""Where tensors land when they cross: a device map applied to tensor *storages* while pickling.
+
+torch pickles a CUDA tensor with its device (``torch.save`` bytes saying ``cuda:0``), so a
+notebook's ``Net().cuda()`` shipped to 8 ranks would be rebuilt 8 times on ``cuda:0``.  Every
+tensor, ``nn.Parameter``, module parameter or buffer, sparse or nested tensor reduces to its
+storages, so that is the one place to decide, whatever holds the tensors:
+
+    kernel  a CUDA storage ──its bytes to host memory, once per storage──> (_arrive, (recorded device, host bytes))
+            (big storages: into ONE shared-memory file every rank maps, by BigValues.copy_in)
+    rank    _arrive: the host storage moved to target_device(recorded, LOCAL_RANK, rank's device),
+            once per storage
+
+pickle's memo reduces each storage once and hands the one rebuilt storage to every tensor over
+it, so views stay views of one storage and a module's tied weights stay tied.  The rule
+(:func:`target_device`) is pure: a CUDA value lands on the rank's own GPU, ``cuda:LOCAL_RANK``,
+whichever GPU it had in the notebook; on CPU ranks, on the CPU.  Other devices (CPU, meta)
+travel as torch pickles them.
+
+Results (rank 0 -> kernel) with ``to_cpu``: every CUDA storage travels as its host copy, so a
+result's tensors, modules and optimizer state arrive on the CPU wherever they sit in it, and the
+kernel never holds a GPU's memory after the job; rank 0's own objects are not touched.
+
+Seams for tests without a GPU: the kernel side's ``recorded(storage)`` (which storages count as
+on a device, and which) and the rank side's placement (:func:`placing`).  No torch import at
+module level: the kernel only looks at types of modules the notebook already imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+from typing import Callable
+
+# -- the rule ----------------------------------------------------------------------------------
+
+
+def target_device(recorded: str, local_rank: int, rank_device: str) -> str:
+    """Where a storage recorded on ``recorded`` in the notebook lands in a rank whose device
+    type is ``rank_device`` (``cuda``/``cpu``; an index there is ignored: a rank's GPU is
+    ``cuda:LOCAL_RANK``).  Only CUDA values move; CPU and meta ones stay where they are."""
+    if recorded.partition(":")[0] != "cuda":
+        return recorded
+    if rank_device.partition(":")[0] == "cuda":
+        return f"cuda:{local_rank}"
+    return "cpu"  # CPU ranks never touch a GPU the job does not own
+
+
+def cuda_recorded(storage) -> str | None:
+    """The device a storage is recorded on when it must be mapped (CUDA ones), else None."""
+    device = storage.device
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else 0
+    return f"cuda:{index}"
+
+
+# -- the rank side -----------------------------------------------------------------------------
+_place: Callable[[str], str] | None = None  # set by placing() while the payload is unpickled
+
+
+def placement(rank_device: str, local_rank: int) -> Callable[[str], str]:
+    """A rank's placement: recorded device -> the device it lands on (:func:`target_device`)."""
+    return lambda recorded: target_device(recorded, local_rank, rank_device)
+
+
+@contextlib.contextmanager
+def placing(place: Callable[[str], str] | None):
+    """Unpickle under ``place`` (None: the rule for this process: ``LOCAL_RANK``, CUDA if it
+    has any)."""
+    global _place
+    before, _place = _place, place
+    try:
+        yield
+    finally:
+        _place = before
+
+
+def _default_place(recorded: str) -> str:
+    import torch
+
+    rank_device = "cuda" if torch.cuda.is_available() else "cpu"
+    return target_device(recorded, int(os.environ.get("LOCAL_RANK", "0") or 0), rank_device)
+
+
+def _arrive(recorded: str, host):
+    """The unpickler's call, once per storage: the host storage on its target device."""
+    import torch
+
+    target = (_place or _default_place)(recorded)
+    if target == "cpu":
+        return host
+    flat = torch.empty(0, dtype=torch.uint8).set_(host)  # (storages have no .to(meta))
+    return flat.to(target).untyped_storage()
+
+
+def _from_bytes(data):
+    """A CPU storage over ``data`` (a storage's bytes pickled inline: a bytearray)."""
+    import torch
+
+    if not data:
+        return torch.UntypedStorage(0)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # (keeps buffer alive)
+
+
+def _typed(untyped, dtype):
+    import torch
+
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def _itself(value):
+    return value
+
+
+# -- the kernel side ---------------------------------------------------------------------------
+def storage_types() -> dict[type, str]:
+    """The storage types worth a look (none if the notebook never imported torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "UntypedStorage"):
+        return {}
+    return {torch.storage.TypedStorage: "typed", torch.UntypedStorage: "untyped"}
+
+
+def host_bytes(storage) -> pickle.PickleBuffer:
+    """A storage's bytes, copied to host memory once, to pickle inline: a PickleBuffer is
+    written straight into the pickle (protocol 5) and read back as a bytearray, no more copies."""
+    import torch
+
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    host = flat.cpu()  # (a CPU storage: itself, its bytes copied into the pickle)
+    return pickle.PickleBuffer(host.numpy())
+
+
+class DeviceStorages:
+    """One pickling's device map, kernel side: ``reduce(obj)`` is a reduce tuple for a storage
+    ``recorded`` says is on a device, else NotImplemented.
+
+    ``to_host``: results back, the storage crosses as a CPU storage.  Otherwise (to the ranks)
+    it crosses as (recorded device, host bytes) for :func:`_arrive`; with ``copy_in`` (bytes
+    -> reduce tuple or None: :meth:`taas.job.memory.bigvalues.BigValues.copy_in`) a big one's
+    bytes go once into shared memory instead of into the pickle."""
+
+    def __init__(self, *, to_host: bool = False, copy_in: Callable | None = None,
+                 recorded: Callable[[object], str | None] = cuda_recorded):
+        self._to_host, self._copy_in, self._recorded = to_host, copy_in, recorded
+        self._types = storage_types()
+        self._canonical: dict[int, object] = {}  # StorageImpl address -> the one object pickled for it
+        self.copies = 0  # storages whose bytes were copied to host (each once)
+
+    def reduce(self, obj):
+        kind = self._types.get(type(obj))
+        if kind is None:
+            return NotImplemented
+        untyped = obj._untyped_storage if kind == "typed" else obj
+        recorded = self._recorded(untyped)
+        if recorded is None:
+            return NotImplemented
+        # Several Python objects may stand for one storage: pickle the first one seen, always
+        # (so pickle's memo makes every tensor over it share the one rebuilt storage).
+        canonical = self._canonical.setdefault(untyped._cdata, untyped)
+        if kind == "typed":
+            return _typed, (canonical, obj.dtype)
+        if canonical is not obj:
+            return _itself, (canonical,)
+        self.copies += 1
+        if self._to_host:
+            return _from_bytes, (host_bytes(obj),)
+        shared = self._copy_in(obj) if self._copy_in is not None else None
+        if shared is not None:
+            return _arrive, (recorded, _Shared(shared))
+        return _arrive, (recorded, _Inline(host_bytes(obj)))
+
+
+class _Shared:
+    """A reduce tuple to pickle as the object it rebuilds (a storage mapped from shared memory)."""
+
+    def __init__(self, reduced: tuple):
+        self.reduced = reduced
+
+    def __reduce__(self):
+        return self.reduced
+
+
+class _Inline:
+    def __init__(self, data):
+        self.data = data
+
+    def __reduce__(self):
+        return _from_bytes, (self.data,)
