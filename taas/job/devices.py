@@ -16,9 +16,10 @@ it, so views stay views of one storage and a module's tied weights stay tied.  T
 whichever GPU it had in the notebook; on CPU ranks, on the CPU.  Other devices (CPU, meta)
 travel as torch pickles them.
 
-Results (rank 0 -> kernel) with ``to_cpu``: every CUDA storage travels as its host copy, so a
-result's tensors, modules and optimizer state arrive on the CPU wherever they sit in it, and the
-kernel never holds a GPU's memory after the job; rank 0's own objects are not touched.
+Results (rank 0 -> kernel) cross the same way, landing on the CPU (the default: a result's
+tensors, modules and optimizer state arrive on the CPU wherever they sit in it, and the kernel
+never holds a GPU's memory after the job) or, with ``--results-device keep``, on the device
+they had on rank 0; rank 0's own objects are not touched either way.
 
 Seams for tests without a GPU: the kernel side's ``recorded(storage)`` (which storages count as
 on a device, and which) and the rank side's placement (:func:`placing`).  No torch import at
@@ -86,11 +87,19 @@ def _default_place(recorded: str) -> str:
 
 def _arrive(recorded: str, host):
     """The unpickler's call, once per storage: the host storage on its target device."""
-    import torch
+    return _move(host, (_place or _default_place)(recorded))
 
-    target = (_place or _default_place)(recorded)
+
+def _kept(recorded: str, host):
+    """Results with ``--results-device keep``: back on the device they had on rank 0."""
+    return _move(host, recorded)
+
+
+def _move(host, target: str):
     if target == "cpu":
         return host
+    import torch
+
     flat = torch.empty(0, dtype=torch.uint8).set_(host)  # (storages have no .to(meta))
     return flat.to(target).untyped_storage()
 
@@ -131,24 +140,24 @@ def host_bytes(storage) -> pickle.PickleBuffer:
 
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
     host = flat.cpu()  # (a CPU storage: itself, its bytes copied into the pickle)
-    return pickle.PickleBuffer(host.numpy())
+    return pickle.PickleBuffer(host.numpy())  # type: ignore[arg-type]  # (numpy arrays are buffers)
 
 
 class DeviceStorages:
     """One pickling's device map, kernel side: ``reduce(obj)`` is a reduce tuple for a storage
     ``recorded`` says is on a device, else NotImplemented.
 
-    ``to_host``: results back, the storage crosses as a CPU storage.  Otherwise (to the ranks)
-    it crosses as (recorded device, host bytes) for :func:`_arrive`; with ``copy_in`` (bytes
-    -> reduce tuple or None: :meth:`taas.job.memory.bigvalues.BigValues.copy_in`) a big one's
-    bytes go once into shared memory instead of into the pickle."""
+    ``land`` says where it lands: ``rank`` (to the ranks: :func:`_arrive` places it), ``cpu``
+    (results back: on the CPU) or ``keep`` (results back: on the device it had).  It crosses as
+    its bytes copied to host; with ``copy_in`` (storage -> reduce tuple or None:
+    :meth:`taas.job.memory.bigvalues.BigValues.copy_in`) a big one's bytes go once into shared
+    memory instead of into the pickle."""
 
-    def __init__(self, *, to_host: bool = False, copy_in: Callable | None = None,
+    def __init__(self, *, land: str = "rank", copy_in: Callable | None = None,
                  recorded: Callable[[object], str | None] = cuda_recorded):
-        self._to_host, self._copy_in, self._recorded = to_host, copy_in, recorded
+        self._land, self._copy_in, self._recorded = land, copy_in, recorded
         self._types = storage_types()
         self._canonical: dict[int, object] = {}  # StorageImpl address -> the one object pickled for it
-        self.copies = 0  # storages whose bytes were copied to host (each once)
 
     def reduce(self, obj):
         kind = self._types.get(type(obj))
@@ -165,13 +174,11 @@ class DeviceStorages:
             return _typed, (canonical, obj.dtype)
         if canonical is not obj:
             return _itself, (canonical,)
-        self.copies += 1
-        if self._to_host:
-            return _from_bytes, (host_bytes(obj),)
         shared = self._copy_in(obj) if self._copy_in is not None else None
-        if shared is not None:
-            return _arrive, (recorded, _Shared(shared))
-        return _arrive, (recorded, _Inline(host_bytes(obj)))
+        host = _Shared(shared) if shared is not None else _Inline(host_bytes(obj))
+        if self._land == "cpu":
+            return _itself, (host,)
+        return (_kept if self._land == "keep" else _arrive), (recorded, host)
 
 
 class _Shared:

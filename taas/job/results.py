@@ -95,9 +95,10 @@ def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
         if _holds_shards(value):
             return None, (f"{type(value).__qualname__} holds sharded DTensors that belong to the "
                           "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
-        # On the CPU: every CUDA storage anywhere in the value crosses as its host copy (tied
-        # weights stay tied, optimizer state too); rank 0's own objects stay where they are.
-        hook = devices.DeviceStorages(to_host=True).reduce if to_cpu else None
+        # Every CUDA storage anywhere in the value crosses once, as its bytes, landing on the
+        # CPU (or its own device): tied weights stay tied, views stay views, optimizer state
+        # follows; rank 0's own objects stay where they are.
+        hook = devices.DeviceStorages(land="cpu" if to_cpu else "keep").reduce
         return crossing.dumps(value, crossing.TO_KERNEL, hook), None
     except KeyboardInterrupt:
         raise

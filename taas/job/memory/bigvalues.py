@@ -185,7 +185,7 @@ class BigValues:
             os.ftruncate(fd, nbytes)
             host = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
             flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            torch.empty(0, dtype=torch.uint8).set_(host).copy_(flat)  # one copy, device to shared pages
+            torch.empty(0, dtype=torch.uint8).set_(host).copy_(flat)  # type: ignore[arg-type]  # one copy, into shared pages
             del host, flat
         except (OSError, RuntimeError):  # ENOSPC (a bus error is avoided by _room): pickled instead
             os.close(fd)

@@ -188,7 +188,7 @@ def test_results_to_cpu(results_device, kernel_cuda, to_cpu):
 def test_results_cross_as_host_copies_with_storages_shared():
     model = Net()
     state = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "view": model.embed.weight[1]}
-    hook = devices.DeviceStorages(to_host=True, recorded=lambda s: "cuda:0").reduce
+    hook = devices.DeviceStorages(land="cpu", recorded=lambda s: "cuda:0").reduce
     got = crossing.load_result(crossing.dumps(state, crossing.TO_KERNEL, hook))[0]
     assert got["model"].head.weight is got["model"].embed.weight
     assert got["view"].untyped_storage()._cdata == got["model"].embed.weight.untyped_storage()._cdata
@@ -196,6 +196,14 @@ def test_results_cross_as_host_copies_with_storages_shared():
     assert torch.equal(got["model"].embed.weight, model.embed.weight)
     assert got["model"].embed.weight.data_ptr() != model.embed.weight.data_ptr()  # a copy
     assert model.embed.weight.device.type == "cpu"  # rank 0's own objects untouched
+
+
+def test_results_kept_on_their_device_land_on_the_recorded_one():
+    base = torch.arange(6.0)
+    hook = devices.DeviceStorages(land="keep", recorded=lambda s: "meta").reduce
+    got = crossing.load_result(crossing.dumps({"a": base, "b": base[2:]}, crossing.TO_KERNEL, hook))[0]
+    assert got["a"].device.type == "meta" and got["b"].storage_offset() == 2
+    assert got["a"].untyped_storage()._cdata == got["b"].untyped_storage()._cdata
 
 
 def test_results_keep_cpu_values_as_they_are():
