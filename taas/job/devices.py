@@ -105,13 +105,14 @@ def _move(host, target: str):
 
 
 def _from_bytes(data):
-    """A CPU storage over ``data`` (a storage's bytes pickled inline: a bytearray)."""
+    """A CPU storage holding ``data`` (a storage's bytes pickled inline: a bytearray), torch's
+    own memory as after torch.load (resizable)."""
     import torch
 
-    if not data:
-        return torch.UntypedStorage(0)
-    buffer = data if isinstance(data, bytearray) else bytearray(data)
-    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()  # (keeps buffer alive)
+    storage = torch.UntypedStorage(len(data))
+    if data:
+        torch.empty(0, dtype=torch.uint8).set_(storage).copy_(torch.frombuffer(data, dtype=torch.uint8))
+    return storage
 
 
 def _typed(untyped, dtype):
@@ -135,7 +136,7 @@ def storage_types() -> dict[type, str]:
 
 def host_bytes(storage) -> pickle.PickleBuffer:
     """A storage's bytes, copied to host memory once, to pickle inline: a PickleBuffer is
-    written straight into the pickle (protocol 5) and read back as a bytearray, no more copies."""
+    written straight into the pickle (protocol 5) and read back as a bytearray."""
     import torch
 
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -151,11 +152,12 @@ class DeviceStorages:
     (results back: on the CPU) or ``keep`` (results back: on the device it had).  It crosses as
     its bytes copied to host; with ``copy_in`` (storage -> reduce tuple or None:
     :meth:`taas.job.memory.bigvalues.BigValues.copy_in`) a big one's bytes go once into shared
-    memory instead of into the pickle."""
+    memory instead of into the pickle.  Other storages (CPU ones) cross as their bytes, after
+    ``big`` (obj -> reduce tuple or NotImplemented: :meth:`BigValues.reduce`) had its pick."""
 
-    def __init__(self, *, land: str = "rank", copy_in: Callable | None = None,
+    def __init__(self, *, land: str = "rank", copy_in: Callable | None = None, big: Callable | None = None,
                  recorded: Callable[[object], str | None] = cuda_recorded):
-        self._land, self._copy_in, self._recorded = land, copy_in, recorded
+        self._land, self._copy_in, self._big, self._recorded = land, copy_in, big, recorded
         self._types = storage_types()
         self._canonical: dict[int, object] = {}  # StorageImpl address -> the one object pickled for it
 
@@ -164,16 +166,24 @@ class DeviceStorages:
         if kind is None:
             return NotImplemented
         untyped = obj._untyped_storage if kind == "typed" else obj
-        recorded = self._recorded(untyped)
-        if recorded is None:
+        if untyped.device.type == "meta":
             return NotImplemented
-        # Several Python objects may stand for one storage: pickle the first one seen, always
-        # (so pickle's memo makes every tensor over it share the one rebuilt storage).
+        recorded = self._recorded(untyped)
+        if recorded is None and self._big is not None:
+            reduced = self._big(obj)  # a big CPU storage: into shared memory (bigvalues)
+            if reduced is not NotImplemented:
+                return reduced
+        # Several Python objects stand for one storage (torch makes a TypedStorage per tensor,
+        # and pickles each on its own: views would arrive as copies): pickle the first one
+        # seen, always, so pickle's memo gives every tensor over it the one rebuilt storage.
+        # That holds for CPU storages too; only the ones ``recorded`` names move.
         canonical = self._canonical.setdefault(untyped._cdata, untyped)
         if kind == "typed":
             return _typed, (canonical, obj.dtype)
         if canonical is not obj:
             return _itself, (canonical,)
+        if recorded is None:  # a small CPU storage: its bytes
+            return _from_bytes, (host_bytes(obj),)
         shared = self._copy_in(obj) if self._copy_in is not None else None
         host = _Shared(shared) if shared is not None else _Inline(host_bytes(obj))
         if self._land == "cpu":

@@ -102,9 +102,12 @@ class _Pickler(crossing.Pickler):
         super().__init__(file, crossing.TO_RANK)
         self._big = big
         self._devices = devices.DeviceStorages(copy_in=big.copy_in if big is not None else None,
+                                               big=big.reduce if big is not None else None,
                                                recorded=recorded)
 
     def reducer_override(self, obj):
+        # Storages (CUDA ones mapped to the rank's device; big CPU ones through bigvalues),
+        # then big arrays.
         reduced = self._devices.reduce(obj)
         if reduced is NotImplemented and self._big is not None:
             reduced = self._big.reduce(obj)

@@ -136,6 +136,16 @@ def test_only_recorded_storages_are_mapped():
     assert got["keep"].device.type == "cpu" and got["move"].device.type == "meta"
 
 
+def test_cpu_views_stay_views_of_one_storage_and_stay_resizable():
+    """torch pickles a TypedStorage per tensor, each on its own: views arrived as copies."""
+    base = torch.arange(8.0)
+    got = package.unship(package.ship({"base": base, "view": base[2:], "pair": (base[::2],)}))
+    got["base"][2] = -1.0
+    assert got["view"][0].item() == -1.0 and got["pair"][0][1].item() == -1.0
+    assert got["base"].device.type == "cpu" and got["base"].untyped_storage().resizable()
+    got["base"].resize_(100)  # torch's own memory, as after torch.load
+
+
 def test_big_device_storages_go_once_through_shared_memory(tmp_path, monkeypatch):
     big = BigValues("devjob", directory=str(tmp_path), threshold=MIB)
     try:
