@@ -10,11 +10,13 @@ storages, so that is the one place to decide, whatever holds the tensors:
     rank    _arrive: the host storage moved to target_device(recorded, LOCAL_RANK, rank's device),
             once per storage
 
-pickle's memo reduces each storage once and hands the one rebuilt storage to every tensor over
-it, so views stay views of one storage and a module's tied weights stay tied.  The rule
-(:func:`target_device`) is pure: a CUDA value lands on the rank's own GPU, ``cuda:LOCAL_RANK``,
-whichever GPU it had in the notebook; on CPU ranks, on the CPU.  Other devices (CPU, meta)
-travel as torch pickles them.
+torch makes a TypedStorage per tensor and pickles each on its own (views of one storage would
+arrive as copies); here one Python object stands for each storage, so pickle's memo reduces it
+once and hands the one rebuilt storage to every tensor over it: views stay views of one storage
+and a module's tied weights stay tied.  CPU storages cross the same way, as their bytes (big
+ones through :mod:`taas.job.memory.bigvalues`), and stay where they are; meta ones as torch
+pickles them.  The rule (:func:`target_device`) is pure: a CUDA value lands on the rank's own
+GPU, ``cuda:LOCAL_RANK``, whichever GPU it had in the notebook; on CPU ranks, on the CPU.
 
 Results (rank 0 -> kernel) cross the same way, landing on the CPU (the default: a result's
 tensors, modules and optimizer state arrive on the CPU wherever they sit in it, and the kernel
