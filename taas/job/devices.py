@@ -147,10 +147,10 @@ def host_bytes(storage) -> pickle.PickleBuffer:
 
 
 class DeviceStorages:
-    """One pickling's device map, kernel side: ``reduce(obj)`` is a reduce tuple for a storage
-    ``recorded`` says is on a device, else NotImplemented.
+    """One pickling's storages, kernel side: ``reduce(obj)`` is a reduce tuple for a CPU
+    storage or one ``recorded`` says is on a device (CUDA), else NotImplemented.
 
-    ``land`` says where it lands: ``rank`` (to the ranks: :func:`_arrive` places it), ``cpu``
+    A recorded storage's ``land`` says where it lands: ``rank`` (to the ranks: :func:`_arrive` places it), ``cpu``
     (results back: on the CPU) or ``keep`` (results back: on the device it had).  It crosses as
     its bytes copied to host; with ``copy_in`` (storage -> reduce tuple or None:
     :meth:`taas.job.memory.bigvalues.BigValues.copy_in`) a big one's bytes go once into shared
@@ -168,9 +168,9 @@ class DeviceStorages:
         if kind is None:
             return NotImplemented
         untyped = obj._untyped_storage if kind == "typed" else obj
-        if untyped.device.type == "meta":
-            return NotImplemented
         recorded = self._recorded(untyped)
+        if recorded is None and untyped.device.type != "cpu":
+            return NotImplemented  # meta, another accelerator: as torch pickles it
         if recorded is None and self._big is not None:
             reduced = self._big(obj)  # a big CPU storage: into shared memory (bigvalues)
             if reduced is not NotImplemented:

@@ -146,6 +146,11 @@ def test_cpu_views_stay_views_of_one_storage_and_stay_resizable():
     got["base"].resize_(100)  # torch's own memory, as after torch.load
 
 
+def test_meta_tensors_travel_as_torch_pickles_them():
+    got = package.unship(package.ship({"m": torch.empty(3, 2, device="meta")}))
+    assert got["m"].device.type == "meta" and got["m"].shape == (3, 2)
+
+
 def test_big_device_storages_go_once_through_shared_memory(tmp_path, monkeypatch):
     big = BigValues("devjob", directory=str(tmp_path), threshold=MIB)
     try:
