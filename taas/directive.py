@@ -41,6 +41,7 @@ class JobOptions:
     timeout: float | None = None  # whole-job wall-clock limit in seconds (also hang limit)
     show: tuple[int, ...] | None = None  # ranks whose output streams live; None = all
     results: bool = True  # return rank 0's new names / last expression to the notebook
+    results_device: str = "cpu"  # where rank 0's tensors come back: cpu | keep (their device)
     config: str | None = None  # DataSphere '#!NAME' configuration (shown, otherwise ignored)
     storage: str = "layer"  # what ranks > 0 may write: layer | strict | shared (taas.workdir.storage)
     stall: float = 60.0  # seconds without output before the ranks' places are shown; 0 = never
@@ -180,6 +181,11 @@ _PARSER.add_argument("--show", metavar="all|0|0,2", type=_show,
                      "is still shown if the job fails")
 _PARSER.add_argument("--no-results", dest="results", action="store_false",
                      help="do not return rank 0's new names and last expression")
+_PARSER.add_argument("--results-device", dest="results_device", choices=("cpu", "keep"), default="cpu",
+                     help="where tensors and modules in rank 0's results come back: cpu = on "
+                     "the CPU, so the kernel holds no GPU memory after the job (default); keep = "
+                     "on the CUDA device they had on rank 0 (cuda:0), when the kernel sees CUDA "
+                     "(else cpu)")
 _PARSER.add_argument("--storage", choices=("layer", "strict", "shared"), default="layer",
                      help="what ranks other than 0 may do to the working directory: layer = "
                      "write a private layer, merged back after the job when it does not conflict "

@@ -241,7 +241,7 @@ class Session:
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device, backend=backend,
                 pg_timeout=float(options.timeout or 1800), results=options.results,
-                results_to_cpu=local_cuda == 0),
+                results_to_cpu=results.results_to_cpu(options.results_device, local_cuda)),
             world=World(world, device, backend),
             policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
                           stall=options.stall, storage=options.storage,

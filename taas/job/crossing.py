@@ -151,15 +151,21 @@ def reducer_for(cls: type, direction: str) -> Callable | None:
 
 
 class Pickler(cloudpickle.Pickler):
-    """cloudpickle that applies the registry for one direction."""
+    """cloudpickle that applies the registry for one direction, after ``hook`` (obj -> reduce
+    tuple or NotImplemented: where tensor storages land, :mod:`taas.job.devices`)."""
 
-    def __init__(self, file, direction: str):
+    def __init__(self, file, direction: str, hook: Callable | None = None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._direction = direction
+        self._hook = hook
 
     def reducer_override(self, obj):
         if type(obj) is types.CodeType:
             return _code_reduce(obj)
+        if self._hook is not None:
+            reduced = self._hook(obj)
+            if reduced is not NotImplemented:
+                return reduced
         reducer = reducer_for(type(obj), self._direction)
         if reducer is not None:
             reduced = reducer(obj)
@@ -190,9 +196,9 @@ def unwrap(value):
         value = reduced[1][0]
 
 
-def dumps(value, direction: str) -> bytes:
+def dumps(value, direction: str, hook: Callable | None = None) -> bytes:
     buffer = io.BytesIO()
-    Pickler(buffer, direction).dump(value)
+    Pickler(buffer, direction, hook).dump(value)
     return buffer.getvalue()
 
 

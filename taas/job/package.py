@@ -9,7 +9,9 @@ type and -- when it hides behind a function -- the path to it (``train -> sock``
 Unreferenced notebook values are never touched.  Big tensors and arrays do not go into the
 pickle bytes: :mod:`taas.job.memory.bigvalues` writes them once to shared memory for the ranks to map.
 IPython's ``exit``, ``quit`` and ``get_ipython``, and library objects that hold the kernel's
-distributed state, cross as :mod:`taas.job.crossing` says.
+distributed state, cross as :mod:`taas.job.crossing` says.  Notebook CUDA tensors (modules'
+parameters and buffers included) land on each rank's own GPU, ``cuda:LOCAL_RANK``
+(:mod:`taas.job.devices`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from taas.errors import PackagingError
-from taas.job import crossing
+from taas.job import crossing, devices
 from taas.job.memory.bigvalues import BigValues
 
 log = logging.getLogger(__name__)
@@ -87,29 +89,38 @@ def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | fr
 
 
 class _Pickler(crossing.Pickler):
-    """The pickler to the ranks: :mod:`taas.job.crossing`'s registry, and big arrays through
-    shared memory (see :mod:`taas.job.memory.bigvalues`).
+    """The pickler to the ranks: :mod:`taas.job.crossing`'s registry, tensor storages on a
+    device mapped to each rank's own (:mod:`taas.job.devices`), and big arrays through shared
+    memory (see :mod:`taas.job.memory.bigvalues`).
 
     reducer_override, not persistent_id: pickle calls it only for objects that are not ints,
     strings or builtin containers, so values made of many small objects pay nothing for it."""
 
-    def __init__(self, file, big: BigValues | None):
+    def __init__(self, file, big: BigValues | None, recorded: Callable = devices.cuda_recorded):
+        # (No bound method of self handed to the base class: a cycle would keep the memo, and
+        # so every pickled tensor, alive until a garbage collection.)
         super().__init__(file, crossing.TO_RANK)
         self._big = big
+        self._devices = devices.DeviceStorages(copy_in=big.copy_in if big is not None else None,
+                                               big=big.reduce if big is not None else None,
+                                               recorded=recorded)
 
     def reducer_override(self, obj):
-        if self._big is not None:
+        # Storages (CUDA ones mapped to the rank's device; big CPU ones through bigvalues),
+        # then big arrays.
+        reduced = self._devices.reduce(obj)
+        if reduced is NotImplemented and self._big is not None:
             reduced = self._big.reduce(obj)
-            if reduced is not NotImplemented:
-                return reduced
+        if reduced is not NotImplemented:
+            return reduced
         return super().reducer_override(obj)
 
 
 class _StandInPickler(_Pickler):
     """... that also writes a name instead of each object in ``stand_ins`` (id -> name)."""
 
-    def __init__(self, file, stand_ins: dict[int, str], big: BigValues | None):
-        super().__init__(file, big)
+    def __init__(self, file, stand_ins: dict[int, str], big: BigValues | None, recorded: Callable):
+        super().__init__(file, big, recorded)
         self._stand_ins = stand_ins
 
     def persistent_id(self, obj):
@@ -156,31 +167,30 @@ class _StandInUnpickler(pickle.Unpickler):
         return StandIn(pid, self._resolve)
 
 
-def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues | None = None) -> bytes:
+def ship(values: dict, stand_ins: dict[int, str] | None = None, big: BigValues | None = None,
+         *, recorded: Callable = devices.cuda_recorded) -> bytes:
     """cloudpickle ``values`` as one blob (so shipped functions share one globals dict).
 
     ``stand_ins`` (id(obj) -> name) are objects that must not travel even when a shipped
     function reads them -- registered loaders, which loader workers get instead: each is
     written as its name and arrives as a :class:`StandIn`.  With ``big``, large arrays and
     tensors are written to its shared-memory files instead of into the blob; the caller
-    unlinks them after the job (here when shipping fails).
+    unlinks them after the job (here when shipping fails).  Storages that ``recorded`` says are
+    on a device (CUDA ones) land on each rank's own device (:mod:`taas.job.devices`).
     """
     if log.isEnabledFor(logging.DEBUG):
         log.debug("shipping %d value(s): %s", len(values), _listing(values))
         if stand_ins:
             log.debug("registered loaders travel by name: %s", ", ".join(sorted(set(stand_ins.values()))))
     try:
-        if not stand_ins and big is None:
-            blob = crossing.dumps(values, crossing.TO_RANK)
+        buffer = io.BytesIO()
+        if stand_ins:
+            _StandInPickler(buffer, stand_ins, big, recorded).dump(values)
         else:
-            buffer = io.BytesIO()
-            if stand_ins:
-                _StandInPickler(buffer, stand_ins, big).dump(values)
-            else:
-                _Pickler(buffer, big).dump(values)
-            if big is not None:
-                big.publish()
-            blob = buffer.getvalue()
+            _Pickler(buffer, big, recorded).dump(values)
+        if big is not None:
+            big.publish()
+        blob = buffer.getvalue()
         log.debug("payload pickle: %d bytes; large arrays in shared memory: %d bytes",
                   len(blob), big.written if big is not None else 0)
         return blob
@@ -266,16 +276,20 @@ def _reason(value) -> str:
     return "it cannot be pickled"
 
 
-def unship(blob: bytes, resolve: Callable[[str], object] | None = None) -> dict:
+def unship(blob: bytes, resolve: Callable[[str], object] | None = None,
+           place: Callable[[str], str] | None = None) -> dict:
     """In the rank: the shipped values, in ONE namespace shared with the shipped functions.
 
-    ``resolve`` finds what a :class:`StandIn` (a registered loader) stands for, by name.
+    ``resolve`` finds what a :class:`StandIn` (a registered loader) stands for, by name;
+    ``place`` where a notebook value recorded on a device lands (recorded device -> device:
+    :func:`taas.job.devices.placement`; None: this process's rule).
 
     cloudpickle gives every notebook function pickled in one call the same reconstructed
     globals dict; running the cell in that very dict keeps notebook semantics (a function sees
     the cell's later rebinding of a global it reads).
     """
-    values = _StandInUnpickler(io.BytesIO(blob), resolve).load()
+    with devices.placing(place):
+        values = _StandInUnpickler(io.BytesIO(blob), resolve).load()
     namespace = None
     for value in values.values():
         g = _globals_of(value)

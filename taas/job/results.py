@@ -9,8 +9,9 @@ loads them into names, ``Out[]`` and notes for the notebook.  Nothing else knows
 
 Every value is pickled, and later unpickled, on its own: one that cannot travel costs that value
 and one note line, never the job or the other values.  Wrappers bound to the job's process group
-(DDP, Lightning Fabric's) come back as what they wrap (:mod:`taas.job.crossing`); when the kernel
-has no GPU, tensors and modules come back on the CPU.
+(DDP, Lightning Fabric's) come back as what they wrap (:mod:`taas.job.crossing`).  Tensors and
+modules come back on the CPU (:func:`results_to_cpu`), so the kernel never holds a rank's GPU
+memory after the job; ``--results-device keep`` keeps their device when the kernel has CUDA.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from taas.job import crossing
+from taas.job import crossing, devices
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ class CellResult:
     out: object = None
     has_out: bool = False  # Out[] may be None itself: this says whether there is one
     notes: tuple[str, ...] = ()
+
+
+def results_to_cpu(results_device: str, kernel_cuda: int) -> bool:
+    """Whether rank 0's tensors come back on the CPU: always, unless the cell asked to keep
+    their device (``keep``) and the kernel sees ``kernel_cuda`` > 0 CUDA devices to hold them."""
+    return results_device != "keep" or kernel_cuda <= 0
 
 
 # -- rank 0 ------------------------------------------------------------------------------------
@@ -88,9 +95,11 @@ def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
         if _holds_shards(value):
             return None, (f"{type(value).__qualname__} holds sharded DTensors that belong to the "
                           "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
-        if to_cpu:
-            value = _to_cpu(value)
-        return crossing.dumps(value, crossing.TO_KERNEL), None
+        # Every CUDA storage anywhere in the value crosses once, as its bytes, landing on the
+        # CPU (or its own device): tied weights stay tied, views stay views, optimizer state
+        # follows; rank 0's own objects stay where they are.
+        hook = devices.DeviceStorages(land="cpu" if to_cpu else "keep").reduce
+        return crossing.dumps(value, crossing.TO_KERNEL, hook), None
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # SystemExit from a __reduce__ too: it ends nothing here
@@ -119,23 +128,6 @@ def _holds_shards(value) -> bool:
     if isinstance(value, torch.optim.Optimizer):
         return any(isinstance(p, DTensor) for group in value.param_groups for p in group["params"])
     return False
-
-
-def _to_cpu(value):
-    """Tensors and modules on the CPU, also inside plain lists, tuples and dicts (never inside
-    named tuples or dict subclasses, which may not rebuild from their items)."""
-    torch = sys.modules.get("torch")
-    if torch is None:  # a process that never imported torch holds no tensor
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.cpu() if value.device.type != "cpu" else value
-    if isinstance(value, torch.nn.Module):
-        return value.cpu()
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
 
 
 # -- the kernel --------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from taas.job import crossing, results
+from taas.job import crossing, devices, results
 from taas.job.analysis import compile_cell
 from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
@@ -59,7 +59,9 @@ def main(spec) -> int:
         if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
             print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
         _setup(payload)
-        namespace = unship(payload.names, resolve=_loader_view)
+        # Notebook CUDA values land on this rank's own device (cuda:LOCAL_RANK), once per storage.
+        place = devices.placement(payload.device, int(os.environ.get("LOCAL_RANK", "0")))
+        namespace = unship(payload.names, resolve=_loader_view, place=place)
         namespace.update(
             __name__="__main__", __builtins__=builtins, display=display.display
         )

@@ -43,6 +43,8 @@ VALID = [
     ("--show 0,2", JobOptions(show=(0, 2))),
     ("--show 2,0,2", JobOptions(show=(0, 2))),
     ("--no-results", JobOptions(results=False)),
+    ("--results-device keep", JobOptions(results_device="keep")),
+    ("--results-device=cpu", JobOptions()),  # the default
     ("--config g2.8", JobOptions(config="g2.8")),
     ("--storage strict", JobOptions(storage="strict")),
     ("--storage shared", JobOptions(storage="shared")),
@@ -71,6 +73,8 @@ def test_parse_valid(line, expected):
 # parse_options: invalid lines -> one-line DirectiveError naming the culprit
 
 INVALID = [
+    ("--results-device cuda", "--results-device: invalid choice: 'cuda' (choose from 'cpu', 'keep')"),
+    ("--results-device", "--results-device"),
     ("--storage private", "--storage: invalid choice: 'private' (choose from 'layer', 'strict', 'shared')"),
     ("--gpus 0", "--gpus"),
     ("--gpus -1", "--gpus"),
@@ -175,6 +179,7 @@ FORMATTED = [
     (JobOptions(gpus=2, storage="strict"), "--gpus 2 --storage strict"),
     (JobOptions(stall=0.0), "--stall 0"),
     (JobOptions(max_restarts=3), "--max-restarts 3"),
+    (JobOptions(results_device="keep"), "--results-device keep"),
     (JobOptions(gpus=4, cluster="10.0.0.1:6379"), "--gpus 4 --cluster 10.0.0.1:6379"),
     (JobOptions(cpus=4, units=7, backend="gloo", device="cpu"),
      "--cpus 4 --units 7 --backend gloo --device cpu"),
@@ -198,7 +203,7 @@ FLAG_OF_FIELD = {
     "gpus": "--gpus", "cpus": "--cpus", "units": "--units", "backend": "--backend",
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
     "config": "--config", "storage": "--storage", "stall": "--stall", "max_restarts": "--max-restarts",
-    "cluster": "--cluster",
+    "cluster": "--cluster", "results_device": "--results-device",
 }
 
 
@@ -208,6 +213,13 @@ def test_help_mentions_every_option():
     assert {f.name for f in fields(JobOptions)} == set(FLAG_OF_FIELD)
     for flag in FLAG_OF_FIELD.values():
         assert flag in HELP, flag
+
+
+def test_help_says_where_results_come_back():
+    text = " ".join(HELP.split())
+    assert "--results-device {cpu,keep}" in text
+    assert "cpu = on the CPU, so the kernel holds no GPU memory after the job (default)" in text
+    assert "keep = on the CUDA device they had on rank 0" in text
 
 
 def test_help_names_the_magic_and_the_pragma():

@@ -31,6 +31,11 @@ cannot move (memory torch does not own, such as ``torch.from_numpy``; one with a
 alias, which torch marks not resizable; an allocation in the heap)
 are written to a file per job, as arrays are.
 
+**Device storages.**  A CUDA storage among the shipped values (:mod:`taas.job.devices` decides
+where it lands) is copied once, straight from the device, into an unnamed shared-memory file
+passed by descriptor (:meth:`BigValues.copy_in`): every rank maps that one copy and moves it to
+its own GPU, instead of each rank decoding its own pickled copy.
+
 The kernel removes the files after the job (:meth:`BigValues.unlink`); the launcher removes
 them too, when the job's processes ended or the kernel died (:meth:`BigValues.cleanups`, a
 ``LaunchSpec.cleanups`` hook).
@@ -49,15 +54,15 @@ import sys
 import threading
 
 from taas.job.memory import resident
+from taas.job.memory import files as shmfiles
 from taas.job.memory.resident import ResidentMemory
+
+_UNNAMED_OK = shmfiles.UNNAMED_OK  # (the same dict: tests set a directory's entry here)
 
 THRESHOLD = 1 << 20  # bytes: smaller arrays stay inline in the pickle
 SHM_DIR = "/dev/shm"
 ROOM_MARGIN = 64 << 20  # bytes left free in SHM_DIR after writing a value
-_CHUNK = 1 << 28  # one write() call at most (Linux caps a write near 2 GiB)
-WRITERS = 8  # threads writing one big value (no more than the CPUs)
-_PART = 32 << 20  # a thread writes at least this much
-MAX_FDS = 64  # resident storages passed by descriptor in one job (a launcher passes that many)
+MAX_FDS = 64  # files passed by descriptor in one job (resident, device copies): a launcher passes that many
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +172,35 @@ class BigValues:
                   _mib(untyped.nbytes()), len(self.fds) - 1)
         return len(self.fds) - 1, offset, complete
 
+    def copy_in(self, storage):
+        """A reduce tuple that maps, in the rank, a copy of ``storage`` (on a device: a CUDA
+        storage, see :mod:`taas.job.devices`) written here once, straight from the device, into
+        an unnamed shared-memory file passed by descriptor (on this machine and to a cluster
+        alike); None where it is too small, or there is no room or descriptor left."""
+        nbytes = storage.nbytes()
+        if nbytes < self.threshold or len(self.fds) >= MAX_FDS or not self._room(nbytes):
+            return None
+        import torch
+
+        try:
+            fd = shmfiles.open_unnamed(self.directory, os.O_RDWR)
+        except OSError:  # a directory without O_TMPFILE
+            fd = os.memfd_create("taas-value", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            host = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+            flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            torch.empty(0, dtype=torch.uint8).set_(host).copy_(flat)  # type: ignore[arg-type]  # one copy, into shared pages
+            del host, flat
+        except (OSError, RuntimeError):  # ENOSPC (a bus error is avoided by _room): pickled instead
+            os.close(fd)
+            return None
+        self.fds.append(fd)
+        self._free -= nbytes
+        self.written += nbytes
+        log.debug("device storage of %s copied once to shared memory (#%d)", _mib(nbytes), len(self.fds) - 1)
+        return _map_storage, (len(self.fds) - 1, nbytes)
+
     def _room(self, nbytes: int) -> bool:
         if self._free is None:
             try:
@@ -201,14 +235,14 @@ class BigValues:
             self._left_out += nbytes
             return None
         path = os.path.join(self.directory, f"taas-{self.job_id}-value{len(self.paths) + len(self._unnamed)}")
-        fd, named = _create(self.directory, path)
+        fd, named = shmfiles.create(self.directory, path)
         try:
-            _write_parallel(fd, data)
+            shmfiles.write_parallel(fd, data)
             os.fchmod(fd, 0o400)  # nobody opens it for writing again
         except OSError:  # ENOSPC: a race with another writer; this value goes the ordinary way
             os.close(fd)
             if named:
-                _remove(path)
+                shmfiles.remove(path)
             self._left_out += nbytes
             self._free = 0
             return None
@@ -228,7 +262,7 @@ class BigValues:
         while self._unnamed:
             fd, path = self._unnamed.pop(0)
             try:
-                _link(fd, path)
+                shmfiles.link(fd, path)
                 self.paths.append(path)
             finally:
                 os.close(fd)
@@ -248,9 +282,9 @@ class BigValues:
         self._storages.clear()
         if wait or not paths:
             for path in paths:
-                _remove(path)
+                shmfiles.remove(path)
         else:
-            threading.Thread(target=lambda: [_remove(p) for p in paths], name="taas-unlink",
+            threading.Thread(target=lambda: [shmfiles.remove(p) for p in paths], name="taas-unlink",
                              daemon=True).start()
 
     def cleanups(self) -> tuple:
@@ -334,76 +368,10 @@ def _same(value):
     return value
 
 
-def _write_parallel(fd: int, data: memoryview) -> None:
-    """``data`` into ``fd``, in contiguous parts written by up to WRITERS threads at once:
-    getting new pages is most of the cost, and it parallelises (a 1 GiB write took 1.7-3.2 s
-    in one thread and 0.6-0.7 s in two, on a 2-core VM whose host reclaims freed memory)."""
-    nbytes = data.nbytes
-    parts = max(1, min(WRITERS, os.cpu_count() or 1, nbytes // _PART))
-    bounds = [nbytes * i // parts for i in range(parts + 1)]
-
-    def write(start: int, end: int) -> None:
-        while start < end:
-            start += os.pwrite(fd, data[start:min(end, start + _CHUNK)], start)
-
-    resident.in_parts(write, bounds, "taas-write")
-
-
-_UNNAMED_OK: dict[str, bool] = {}  # directory -> unnamed files can be named there later
-
-
-def _create(directory: str, path: str) -> tuple[int, bool]:
-    """An unnamed file in ``directory`` (O_TMPFILE), or where one cannot be named later (the
-    file system, or the process's rights), the file ``path`` itself: (fd, named)."""
-    if _UNNAMED_OK.get(directory) is None:
-        _UNNAMED_OK[directory] = _probe_unnamed(directory)
-    if _UNNAMED_OK[directory]:
-        return _open_unnamed(directory), False
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), True
-
-
-def _open_unnamed(directory: str, mode: int = os.O_WRONLY) -> int:
-    return os.open(directory, os.O_TMPFILE | mode | os.O_CLOEXEC, 0o600)
-
-
-def _probe_unnamed(directory: str) -> bool:
-    probe = os.path.join(directory, f"taas-probe-{os.getpid()}")
-    try:
-        fd = _open_unnamed(directory)
-    except (OSError, AttributeError):
-        return False
-    try:
-        _link(fd, probe)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    _remove(probe)
-    return True
-
-
-def _link(fd: int, path: str) -> None:
-    """Name the unnamed file ``fd``: linkat(AT_EMPTY_PATH), else through /proc/self/fd."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) == 0:
-        return
-    os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
-
-
-_AT_FDCWD, _AT_EMPTY_PATH = -100, 0x1000
-
-
 def remove_files(paths: tuple[str, ...]) -> None:
     """The :meth:`BigValues.cleanups` hook: remove a job's files (from any process)."""
     for path in paths:
-        _remove(path)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        shmfiles.remove(path)
 
 
 def _mib(nbytes: int) -> str:
