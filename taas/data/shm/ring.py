@@ -32,7 +32,7 @@ import weakref
 
 from taas.data.shm.segment import (
     C_CLOSED, C_PID, C_SENT_BYTES, C_SENT_MSGS, C_TAKEN_BYTES, C_TAKEN_MSGS, C_UNITS, C_WAITING,
-    Segment, _alive, _open_fifo, _read_all, _shm_attach, _shm_create, unlink,
+    Segment, _alive, _open_fifo, _read_all, _shm_attach, _shm_create, block_name, unlink,
 )
 from taas.data.transport import DATA, PASS_END, Header, Receiver, Sender, align, decode, encode
 
@@ -152,7 +152,7 @@ class ShmSender(Sender):
         self._trim(want)
         block_id = self._next_id
         self._next_id += 1
-        name = f"{self.seg.name}-c{self.ch}-b{block_id}"
+        name = block_name(self.seg.name, self.ch, block_id)
         block = self.blocks[block_id] = _Block(block_id, want, name, _shm_create(name, want))
         return block
 
@@ -302,7 +302,7 @@ class ShmReceiver(Receiver):
         assert kind == DATA, kind
         mm = self.blocks.get(block_id)
         if mm is None:
-            mm = self.blocks[block_id] = _shm_attach(f"{self.seg.name}-c{self.ch}-b{block_id}")
+            mm = self.blocks[block_id] = _shm_attach(block_name(self.seg.name, self.ch, block_id))
         size, meta_at, meta_len, nbuf, table_at, blob = struct.unpack_from("<6Q", mm, 0)
         meta = bytes(mm[meta_at:meta_at + meta_len])
         table = [_ENTRY.unpack_from(mm, table_at + _ENTRY.size * j) for j in range(nbuf)]

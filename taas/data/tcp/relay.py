@@ -28,6 +28,7 @@ are stuck behind the unit it waits to put.
 from __future__ import annotations
 
 import os
+import re
 import select
 import shutil
 import signal
@@ -63,16 +64,21 @@ def node_of(rank: int, nodes) -> int:
     return int(nodes[rank])
 
 
-def remove_node(job_id: str, node: int) -> None:
-    """Unlink node ``node``'s segments of job ``job_id`` and remove its FIFO directory."""
-    prefix = f"{segment.SHM_PREFIX}{job_id}-n{node}-"
+def remove_node(job_id: str, node: "int | None" = None) -> None:
+    """Unlink node ``node``'s segments of job attempt ``job_id`` and remove its FIFO directory
+    (and a staging one a killed relay left); ``node`` None: every node's on this machine.
+    Whole names only (:func:`taas.data.shm.segment.names_of`): never another attempt's."""
+    number = "[0-9]+" if node is None else str(int(node))
+    segment.unlink_matching(segment.names_of(job_id, f"-n{number}"))
+    directories = re.compile(re.escape(f"{segment.SHM_PREFIX}{job_id}-relay-n") + number
+                             + "(?:-new-[A-Za-z0-9_]+)?")  # fifo_directory(); mkdtemp's staging
+    tmp = tempfile.gettempdir()
     try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        found = [n for n in os.listdir(tmp) if directories.fullmatch(n)]
     except OSError:
-        names = []
-    for name in names:
-        segment.unlink(name)
-    shutil.rmtree(fifo_directory(job_id, node), ignore_errors=True)
+        found = []
+    for name in found:
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
 
 
 class _Loader:

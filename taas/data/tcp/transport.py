@@ -46,12 +46,9 @@ removes everything of the job on the machine it runs on.
 
 from __future__ import annotations
 
-import glob
 import os
 import select
-import shutil
 import socket
-import tempfile
 import threading
 import time
 
@@ -242,8 +239,7 @@ def cleanup(job_id: str, node_ids: "tuple[str, ...] | None" = None) -> None:
                 remove_node(job_id, node)
         return
     segment.unlink_job(job_id)
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{segment.SHM_PREFIX}{job_id}-relay-n*")):
-        shutil.rmtree(path, ignore_errors=True)
+    remove_node(job_id)  # every node's, by whole names: never the next attempt's (taas-<job>-1-…)
 
 
 def _shut(sock: socket.socket) -> None:
