@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from taas.data.shm import segment
-from taas.data.tcp.relay import fifo_directory, header_name, remove_node
+from taas.data.tcp.nodes import fifo_directory, header_name, remove_node
 from taas.data.transport import attach, resolve
 from taas.launch.api import attempt_id
 from tests.support.data import run_hook
