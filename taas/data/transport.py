@@ -11,7 +11,7 @@ views, workers or plans changing.  Three sides::
         .close()                             release everything (the job is over)
         .cleanup() -> (entry, args)          a hook that frees the job's resources from another
                                              process (the launcher's, when the kernel died)
-    loader worker (worker.py)                attach(address) -> Endpoint
+    loader worker (loader_worker.py)         attach(address) -> Endpoint
         .sender(channel, on_wait) -> Sender  the producer end of a (worker, rank) channel
         .worker(w) -> WorkerControl          state and unit, units produced, first slice ready
     rank (view.py)                           attach(address) -> Endpoint
