@@ -181,7 +181,8 @@ class Relay:
     def _unit(self, sock, item: _Loader, sender: ShmSender | None, unit: int, meta_len: int, nbuf: int,
               nblob: int, area: int) -> bool:
         """Read a UNIT frame's payload into ``sender``'s ring (or discard it: no sender, or the
-        rank has gone).  False, nothing more read, when its sizes are not consistent."""
+        rank has gone).  False when its sizes are not consistent: the blob bytes are left
+        unread, and where the next frame starts is unknown."""
         if meta_len > wire.MAX_META or nbuf + nblob > wire.MAX_ENTRIES or area > wire.MAX_AREA:
             return False
         meta = wire.recv_exact(sock, meta_len)
