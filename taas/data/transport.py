@@ -1,8 +1,8 @@
 """How units travel from a loader worker to a rank: the transport contract, and the unit codec.
 
 A *transport* moves one job's units and keeps its control state.  The session picks it
-(``taas.session.transport_for`` reads the launcher's ``topology()``), so a cross-machine transport can replace shared memory without
-views, workers or plans changing.  Three sides::
+(``taas.session.transport_for`` reads the launcher's ``topology()``), so a cross-machine
+transport can replace shared memory without views, workers or plans changing.  Three sides::
 
     kernel (plane.py), one per job           Transport(job_id)
         .channels(loader, workers, pairs, buffer_bytes) -> Address   one loader's channels

@@ -17,8 +17,8 @@ when the kernel died.  A prefix would not do: the next attempt of job J is ``J-1
 (:func:`taas.launch.api.attempt_id`), so ``taas-J-`` also starts every name of attempt ``J-1``
 -- and the start process runs attempt J's hook late, once J's processes ended, when attempt
 ``J-1`` may have made its segments already -- as well as the job's big values
-(``taas-J-value0``, :mod:`taas.job.memory.bigvalues`).  Also here: the channel FIFOs (made by the kernel in the transport's private
-directory) and the small helpers both channel ends use.
+(``taas-J-value0``, :mod:`taas.job.memory.bigvalues`).  Also here: the channel FIFOs (made by
+the kernel in the transport's private directory) and the small helpers both channel ends use.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class Relay:
             key = (loader, worker)
             with self.lock:
                 self.conns[key] = sock
-                gone = [c for (l, c) in self.announced if l == loader and item.pairs[c][0] == worker]
+                gone = [c for (ld, c) in self.announced if ld == loader and item.pairs[c][0] == worker]
             for channel in gone:
                 self._gone(sock, channel)
             self._frames(sock, loader, worker, item, head)
@@ -292,9 +292,9 @@ class Relay:
                     elif (loader, channel) not in self.announced:
                         pending.append((loader, channel, item.pairs[channel][0]))
             with self.lock:
-                for loader, channel, worker in pending:
+                for loader, channel, _ in pending:
                     self.announced.add((loader, channel))
-                sends = [(self.conns.get((l, w)), c) for l, c, w in pending]
+                sends = [(self.conns.get((ld, w)), c) for ld, c, w in pending]
             for sock, channel in sends:
                 if sock is not None:
                     self._gone(sock, channel)
