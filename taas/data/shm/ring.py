@@ -267,9 +267,10 @@ class ShmReceiver(Receiver):
                     continue
                 if msg[0] == PASS_END or (msg[0] == DATA and self._block(msg[2]) is not None):
                     return msg
-                # Not counted as taken: the producer never sent it (its own messages read).
+                # Not counted as taken: it is not the producer's (every one of those reads).
                 log.warning("taas data plane: a rank ignored a message (%d, %d, %d, %d) on channel %d",
                             *msg, self.ch)
+                continue
             self._back(None)  # retry what the producer had no room for
             select.select([self.data_fd], [], [], 0.5)
 
