@@ -5,13 +5,15 @@
     %%taas --cpus M --units K
                             which registered loaders the cell
                             reads, K, prefetch (plan.py: pure)
-                            loader pickle, channels            -> loader:NAME:w  (worker.py, M of them)
-                            (the launcher's transport:              units u = w, w+M, ...  (source.py)
-                            transport.py, the contract;             | put(u, batch)
-                            shm_transport.py on one machine)        v   shm.py: pooled blocks
+                            loader pickle, channels            -> loader:NAME:w  (loader_worker.py,
+                            (the session's pick of transport:       M of them)
+                            transport.py, the contract;             units u = w, w+M, ...  (source.py)
+                            shm/ on one machine, tcp/ across        | put(u, batch)
+                            machines)                               v   the transport's channels
                                                                   rankR: NAME is a view  (view.py)
                                                                     each `for` = one pass's share
-                            progress, summary  <--- events ----   (units ready, waited, bytes)
+                            progress, summary  <--- events ----   (messages.py: typed; units
+                                                                   ready, waited, bytes)
 
 Unit u is an element of a pass over the loader, numbered pass after pass; worker u mod M
 produces it and rank u mod N consumes it.  A unit's content depends only on u and the job's
@@ -19,4 +21,10 @@ seed, never on M, so the same units reach the same ranks whatever the number of 
 
 ``import taas`` imports none of this; :mod:`taas.data.registry` (what ``taas.register`` is) needs
 no torch, the modules that run in job processes import it.
+
+May import: ``taas.errors``, ``taas.io``, ``taas.job``, ``taas.launch`` (the contract) and
+``taas.launch.process`` (events, report) -- never a launcher, the rank runtime or its own
+transports (``shm/``, ``tcp/``: named by ``"module:Class"`` strings and resolved at run time),
+so that a new transport needs no change here.  Every channel here ignores, and logs on the
+``taas`` logger, a message it cannot read.
 """

@@ -22,10 +22,10 @@ import sys
 import threading
 import time
 
-from taas.data import source
+from taas.data import messages, source
 from taas.data.plan import Plan
 from taas.data.transport import BLOCKED, DONE, LOADING, attach
-from taas.launch.process import events, report
+from taas.launch.process import report
 
 PROGRESS_INTERVAL = 0.1
 
@@ -146,8 +146,8 @@ class _Progress:
 
     def _send(self, done: bool = False) -> None:
         self.sent_at = time.monotonic()
-        events.send("data.progress", loader=self.name, worker=self.worker, produced=self.count,
-                    ready=self.is_ready, done=done)
+        messages.send(messages.Progress(loader=self.name, worker=self.worker, produced=self.count,
+                                        ready=self.is_ready, done=done))
 
 
 def _watchdog(senders: dict) -> None:

@@ -10,7 +10,8 @@
                                   carrying its loader's pickle
     .cleanups()                   the transport's cleanup hooks (LaunchSpec.cleanups)
     .on_event(key, message, sink) workers' progress -> an in-place "units ready / K" line;
-                                  ranks' figures -> the summary
+                                  ranks' figures -> the summary (messages.py: typed; a line
+                                  it cannot read is logged and ignored)
     .summary()                    one line per loader after the job
     .note_timeout(), .hang(...)   at --timeout: was a loader worker the culprit?
     .close()                      the transport releases everything of the job
@@ -18,15 +19,18 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
+from taas.data import messages, registry
 from taas.data import plan as numbering
-from taas.data import registry
 from taas.data.transport import LOADING, Transport, resolve
 from taas.errors import JobFailed, PackagingError
 from taas.io import keys
 from taas.launch.api import ProcessSpec
+
+log = logging.getLogger("taas")
 
 DEFAULT_BUFFER_MB = 256
 PROGRESS_INTERVAL = 0.1
@@ -43,7 +47,7 @@ class _Loader:
     produced: dict = field(default_factory=dict)  # worker -> units produced
     ready: set = field(default_factory=set)  # workers with their first slice ready
     ready_at: float | None = None
-    stats: dict = field(default_factory=dict)  # rank -> figures it reported
+    stats: dict = field(default_factory=dict)  # rank -> figures it reported (messages.Stats)
     prefetch_s: float = 0.0  # how long the ranks waited for the first slice
     shown_at: float = 0.0
 
@@ -146,19 +150,31 @@ class DataPlane:
 
     # -- while it runs ---------------------------------------------------------------------
     def on_event(self, key: str, message: dict, sink) -> None:
-        item = next((i for i in self.loaders if i.name == message.get("loader")), None)
-        if item is None:
+        """A ``data.*`` event line from job process ``key``, decoded; one that is not a
+        data-plane message (:func:`taas.data.messages.parse`), or names a loader, worker or
+        rank this job does not have, is logged and ignored: the job goes on."""
+        event = messages.parse(message)
+        if event is None:
             return
-        kind = message.get("kind")
-        if kind == "data.progress":
-            item.produced[message["worker"]] = message["produced"]
-            if message.get("ready"):
-                item.ready.add(message["worker"])
+        item = next((i for i in self.loaders if i.name == event.loader), None)
+        if item is None:
+            return  # a loader of no job of ours (kept ranks may outlive a plane)
+        if isinstance(event, messages.Progress):
+            if event.worker >= item.plan.workers:
+                log.warning("taas data plane: ignored progress of %s for worker %d of loader `%s`, "
+                            "which has %d", key, event.worker, item.name, item.plan.workers)
+                return
+            item.produced[event.worker] = event.produced
+            if event.ready:
+                item.ready.add(event.worker)
             self._show(item, sink)
-        elif kind == "data.started":
-            item.prefetch_s = max(item.prefetch_s, float(message.get("prefetch_s", 0.0)))
-        elif kind == "data.stats":
-            item.stats[message["rank"]] = message
+        elif isinstance(event, messages.Started):
+            item.prefetch_s = max(item.prefetch_s, event.prefetch_s)
+        elif event.rank < self.world:
+            item.stats[event.rank] = event
+        else:
+            log.warning("taas data plane: ignored figures of %s for rank %d of a %d-rank job",
+                        key, event.rank, self.world)
 
     def _show(self, item: _Loader, sink, final: bool = False) -> None:
         if item.ready_at is not None:
@@ -189,10 +205,10 @@ class DataPlane:
             if not item.stats:
                 continue
             stats = item.stats.values()
-            units = sum(s["units"] for s in stats)
-            moved = _size(sum(s["bytes"] for s in stats))
-            elapsed = sum(s["elapsed_s"] for s in stats)
-            waited = sum(s["wait_s"] for s in stats) / elapsed if elapsed > 0 else 0.0
+            units = sum(s.units for s in stats)
+            moved = _size(sum(s.bytes for s in stats))
+            elapsed = sum(s.elapsed_s for s in stats)
+            waited = sum(s.wait_s for s in stats) / elapsed if elapsed > 0 else 0.0
             plan = item.plan
             lines.append(
                 f"taas: loader `{item.name}`: {units}/{plan.units} units delivered to "

@@ -1,8 +1,8 @@
 """How units travel from a loader worker to a rank: the transport contract, and the unit codec.
 
 A *transport* moves one job's units and keeps its control state.  The session picks it
-(``taas.session.transport_for`` reads the launcher's ``topology()``), so a cross-machine transport can replace shared memory without
-views, workers or plans changing.  Three sides::
+(``taas.session.transport_for`` reads the launcher's ``topology()``), so a cross-machine
+transport can replace shared memory without views, workers or plans changing.  Three sides::
 
     kernel (plane.py), one per job           Transport(job_id)
         .channels(loader, workers, pairs, buffer_bytes) -> Address   one loader's channels
@@ -11,7 +11,7 @@ views, workers or plans changing.  Three sides::
         .close()                             release everything (the job is over)
         .cleanup() -> (entry, args)          a hook that frees the job's resources from another
                                              process (the launcher's, when the kernel died)
-    loader worker (worker.py)                attach(address) -> Endpoint
+    loader worker (loader_worker.py)         attach(address) -> Endpoint
         .sender(channel, on_wait) -> Sender  the producer end of a (worker, rank) channel
         .worker(w) -> WorkerControl          state and unit, units produced, first slice ready
     rank (view.py)                           attach(address) -> Endpoint

@@ -34,9 +34,9 @@ from collections.abc import Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass
 from typing import Callable
 
+from taas.data import messages
 from taas.data.plan import Plan, share
 from taas.data.transport import PASS_END, attach
-from taas.launch.process import events
 
 _views: list["LoaderView"] = []
 _by_name: dict[str, "LoaderView"] = {}
@@ -62,7 +62,7 @@ def install_views(loaders: dict, namespace: dict) -> None:
     waited = time.perf_counter() - started
     for view in _views:
         view._started = time.perf_counter()
-        events.send("data.started", loader=view.name, rank=rank, prefetch_s=waited)
+        messages.send(messages.Started(loader=view.name, rank=rank, prefetch_s=waited))
 
 
 def close_views() -> None:
@@ -325,5 +325,5 @@ class LoaderView:
         self._reader.stop()
         for rx in self._rx.values():
             rx.close()
-        events.send("data.stats", loader=self.name, rank=self.rank, units=self._units,
-                    bytes=self._bytes, wait_s=self._wait, elapsed_s=elapsed)
+        messages.send(messages.Stats(loader=self.name, rank=self.rank, units=self._units,
+                                     bytes=self._bytes, wait_s=self._wait, elapsed_s=elapsed))

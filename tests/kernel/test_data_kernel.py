@@ -238,6 +238,28 @@ def test_a_hanging_loader_is_named_at_the_timeout(kernel, clean, fail, expected)
     assert took < 4 + 120  # stopped at the timeout, not left hanging
 
 
+def test_malformed_data_events_from_a_rank_are_ignored(kernel, clean):
+    """A rank's own code can write anything to taas's events pipe: data-plane lines the kernel
+    cannot read are ignored (logged on ``taas``), and the job and its summary are unaffected."""
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --cpus 1
+        import json, os
+        fd = int(os.environ["TAAS_EVENTS_FD"])
+        for line in ({"kind": "data.progress"},
+                     {"kind": "data.stats", "loader": "loader", "rank": "x"},
+                     {"kind": "data.progress", "loader": "loader", "worker": 9, "produced": 1, "ready": True},
+                     {"kind": "data.stats", "loader": "loader", "rank": 7, "units": 99, "bytes": 1,
+                      "wait_s": 0.0, "elapsed_s": 1.0},
+                     {"kind": "data.started", "loader": "loader", "rank": 0, "prefetch_s": -1}):
+            os.write(fd, (json.dumps(line) + "\\n").encode())
+        print("got", sum(len(b["i"]) for b in loader))
+        """))
+    assert run.error is None, run.traceback
+    assert sum(int(n) for n in re.findall(r"got (\d+)", run.stdout)) == 22, run.stdout
+    summary = [line for line in run.stderr.splitlines() if "units delivered" in line]
+    assert len(summary) == 1 and "6/6 units delivered to 2 ranks by 1 worker" in summary[0], run.stderr
+
+
 def test_register_errors_and_status_in_the_notebook(kernel):
     again = kernel.run("taas.register(loader)")
     assert again.error and again.error["ename"] == "RegistrationError" and "already registered" in again.error["evalue"]

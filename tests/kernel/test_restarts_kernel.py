@@ -148,3 +148,40 @@ def test_killed_kernel_during_restarts_leaves_nothing(workdir):
         assert wait_until_gone(tree, timeout=5) == []
     finally:
         k.shutdown()
+
+
+def test_restarts_with_a_registered_loader_succeed_every_time(kernel, clean):
+    """The first attempt's clean-up, run late by the start process once its processes ended,
+    must never touch the next attempt's shared memory (``taas-<job>-1-…`` starts with
+    ``taas-<job>-``): five restarted jobs in a row, every unit delivered once in the attempt
+    that succeeded."""
+    kernel.run(cell("""
+        import taas, torch
+        from torch.utils.data import DataLoader, TensorDataset
+        unread = DataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+        read = DataLoader(TensorDataset(torch.arange(64)), batch_size=4)
+        taas.register(unread)
+        taas.register(read)
+        """))
+    body = cell("""
+        %%taas --gpus 2 --cpus 1 --max-restarts 1
+        import os
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        seen = []
+        for (batch,) in read:
+            seen.extend(int(x) for x in batch)
+            if attempt == "0" and os.environ["RANK"] == "1" and len(seen) >= 8:
+                raise RuntimeError("lost rank 1 mid-epoch")
+        print("attempt", attempt, "rank", os.environ["RANK"], "units", sorted(seen))
+        import torch.distributed as dist
+        dist.barrier()
+        """)
+    for run_index in range(5):
+        run = kernel.run(body)
+        assert run.error is None, (run_index, run.traceback)
+        assert "taas: restart 1/1: rank1 failed: RuntimeError: lost rank 1 mid-epoch" in plain(run.stderr)
+        got = re.findall(r"attempt 1 rank (\d) units \[([\d, ]*)\]", run.stdout)
+        assert sorted(rank for rank, _ in got) == ["0", "1"], run.stdout
+        units = [int(x) for _, listed in got for x in listed.split(",") if x.strip()]
+        assert sorted(units) == list(range(64)), (run_index, run.stdout)
+    kernel.run("taas.unregister(unread)\ntaas.unregister(read)")

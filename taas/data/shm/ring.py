@@ -16,13 +16,15 @@ bound are retired.  The counters both sides read live in the loader's header seg
 (:mod:`taas.data.shm.segment`).
 
 Block: a 64-byte header (size and where the parts are), tensors a collate function wrote in
-place, the pickled structure, the buffer table, then the copied blobs, 64-byte aligned.  A side
+place, the pickled structure, the buffer table, then the copied blobs, 64-byte aligned (the formats:
+:mod:`taas.data.shm.block`; a message the other end did not send is logged and ignored).  A side
 about to wait drains its FIFO, checks the counters again, then sleeps in ``select``; a full FIFO
 means the other side has bytes to read, so no wake-up is lost.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import select
@@ -30,54 +32,19 @@ import struct
 import threading
 import weakref
 
+from taas.data.shm.block import (
+    BACK, BLOCK, ENTRY, FREED, MSG, RETIRE, TAKEN, Block, Draft, close_quietly, fits, size_class,
+)
 from taas.data.shm.segment import (
     C_CLOSED, C_PID, C_SENT_BYTES, C_SENT_MSGS, C_TAKEN_BYTES, C_TAKEN_MSGS, C_UNITS, C_WAITING,
-    Segment, _alive, _open_fifo, _read_all, _shm_attach, _shm_create, unlink,
+    Segment, _alive, _open_fifo, _read_all, _shm_attach, _shm_create, block_name, unlink,
 )
 from taas.data.transport import DATA, PASS_END, Header, Receiver, Sender, align, decode, encode
 
+log = logging.getLogger("taas")
+
 MAX_IN_FLIGHT = 256  # messages per channel (the data FIFO holds 2048)
 COPY_BELOW = 64 * 1024  # units this small are copied out of their block (cheap), not lent
-RETIRE = 9  # message kind: the producer unlinked a block; unmap it
-FREED, TAKEN = 1, 2  # space messages
-_MSG = struct.Struct("<4Q")  # kind, unit, block, aux
-_BACK = struct.Struct("<2Q")  # kind, block
-_BLOCK = struct.Struct("<8Q")  # size, meta at, meta length, buffers, table at, blobs at
-_ENTRY = struct.Struct("<2Q")
-
-
-def size_class(n: int) -> int:
-    """Block sizes: steps of 1/8 of the next power of two (at most 12.5% unused), whole pages."""
-    n = max(n, 4096)
-    step = max(4096, (1 << (n - 1).bit_length()) // 8)
-    return (n + step - 1) // step * step
-
-
-class _Block:
-    __slots__ = ("id", "size", "name", "mm", "u8", "address")
-
-    def __init__(self, block_id: int, size: int, name: str, mm: mmap.mmap):
-        import torch
-
-        self.id, self.size, self.name, self.mm = block_id, size, name, mm
-        self.u8 = torch.frombuffer(mm, dtype=torch.uint8)
-        self.address = self.u8.data_ptr()
-
-
-class Draft:
-    """A block lent to a collate function before the unit exists: ``alloc`` hands out tensors
-    in it, so the collated batch is written where the rank will read it (no second copy)."""
-
-    def __init__(self, block: _Block):
-        self.block = block
-        self.top = _BLOCK.size
-
-    def alloc(self, nbytes: int, dtype, shape):
-        start = align(self.top)
-        if nbytes <= 0 or start + nbytes > self.block.size:
-            return None
-        self.top = start + nbytes
-        return self.block.u8[start:start + nbytes].view(dtype).view(shape)
 
 
 class ShmSender(Sender):
@@ -89,8 +56,9 @@ class ShmSender(Sender):
         self.data_fd, self.space_fd = _open_fifo(fifos[0]), _open_fifo(fifos[1])
         self.on_wait = on_wait
         self.sent_msgs = self.sent_bytes = self.units = 0
-        self.blocks: dict[int, _Block] = {}
-        self.free: list[_Block] = []
+        self.blocks: dict[int, Block] = {}
+        self.free: list[Block] = []
+        self.lent: set[int] = set()  # blocks sent and not yet FREED by the consumer
         self.last_size = 0  # of the last unit: the size of the next draft
         self._next_id = 0
         self._back = b""
@@ -107,11 +75,15 @@ class ShmSender(Sender):
     def _collect(self) -> None:
         """Read what the consumer sent back: freed blocks return to the pool."""
         data = self._back + _read_all(self.space_fd)
-        whole = len(data) - len(data) % _BACK.size
+        whole = len(data) - len(data) % BACK.size
         self._back = data[whole:]
-        for kind, block_id in _BACK.iter_unpack(data[:whole]):
-            if kind == FREED and block_id in self.blocks:
+        for kind, block_id in BACK.iter_unpack(data[:whole]):
+            if kind == FREED and block_id in self.lent:  # once per send: a repeat would lend it twice
+                self.lent.discard(block_id)
                 self.free.append(self.blocks[block_id])
+            elif kind == FREED or kind != TAKEN:
+                log.warning("taas data plane: a loader worker ignored a space message (%d, %d) on channel %d",
+                            kind, block_id, self.ch)
 
     def _room(self, size: int) -> bool:
         seg, ch = self.seg, self.ch
@@ -139,7 +111,7 @@ class ShmSender(Sender):
                 self.on_wait(False)
 
     # -- blocks ----------------------------------------------------------------------------
-    def _block(self, size: int) -> _Block:
+    def _block(self, size: int) -> Block:
         self._collect()
         want = size_class(size)
         best = None
@@ -152,8 +124,8 @@ class ShmSender(Sender):
         self._trim(want)
         block_id = self._next_id
         self._next_id += 1
-        name = f"{self.seg.name}-c{self.ch}-b{block_id}"
-        block = self.blocks[block_id] = _Block(block_id, want, name, _shm_create(name, want))
+        name = block_name(self.seg.name, self.ch, block_id)
+        block = self.blocks[block_id] = Block(block_id, want, name, _shm_create(name, want))
         return block
 
     def _trim(self, adding: int) -> None:
@@ -186,7 +158,7 @@ class ShmSender(Sender):
             return False
         enc = encode(value, (draft.block.address, draft.block.size) if draft else None)
 
-        def write(block: _Block, blob_at: int) -> None:
+        def write(block: Block, blob_at: int) -> None:
             mm, u8 = block.mm, block.u8
             for offset, nbytes, src in enc.blobs:
                 if not nbytes:
@@ -209,10 +181,10 @@ class ShmSender(Sender):
         return self._put(unit, meta, buffers, nbytes, lambda block, at: write(block.mm, at), None)
 
     def _put(self, unit: int, meta: bytes, buffers: list, nbytes: int, write, draft: Draft | None) -> bool:
-        top = draft.top if draft else _BLOCK.size
+        top = draft.top if draft else BLOCK.size
         meta_at = align(top)
         table_at = meta_at + (len(meta) + 7) // 8 * 8
-        blob_at = align(table_at + _ENTRY.size * len(buffers))
+        blob_at = align(table_at + ENTRY.size * len(buffers))
         size = blob_at + nbytes
         if not self._wait(size):
             if draft is not None:
@@ -223,17 +195,18 @@ class ShmSender(Sender):
         else:
             block = self._block(size)
             if draft is not None:  # outgrew its draft: move what was collated there
-                block.mm[_BLOCK.size:top] = draft.block.mm[_BLOCK.size:top]
+                block.mm[BLOCK.size:top] = draft.block.mm[BLOCK.size:top]
                 self.free.append(draft.block)
         mm = block.mm
-        _BLOCK.pack_into(mm, 0, size, meta_at, len(meta), len(buffers), table_at, blob_at, 0, 0)
+        BLOCK.pack_into(mm, 0, size, meta_at, len(meta), len(buffers), table_at, blob_at, 0, 0)
         mm[meta_at:meta_at + len(meta)] = meta
         for j, (offset, length) in enumerate(buffers):
-            _ENTRY.pack_into(mm, table_at + _ENTRY.size * j, offset, length)
+            ENTRY.pack_into(mm, table_at + ENTRY.size * j, offset, length)
         write(block, blob_at)
         self.units += 1
         self.last_size = size
         self.seg.set_channel(self.ch, C_UNITS, self.units)
+        self.lent.add(block.id)
         self._send(DATA, unit, block.id, 0, size)
         return True
 
@@ -248,7 +221,7 @@ class ShmSender(Sender):
         self.sent_bytes += size
         self.seg.set_channel(self.ch, C_SENT_BYTES, self.sent_bytes)
         self.seg.set_channel(self.ch, C_SENT_MSGS, self.sent_msgs)
-        os.write(self.data_fd, _MSG.pack(kind, unit, block, aux))  # < MAX_IN_FLIGHT: never full
+        os.write(self.data_fd, MSG.pack(kind, unit, block, aux))  # < MAX_IN_FLIGHT: never full
 
     def close(self) -> None:
         for fd in (self.data_fd, self.space_fd):
@@ -281,31 +254,34 @@ class ShmReceiver(Receiver):
 
     def _next(self):
         while True:
-            if len(self._inbox) < _MSG.size:
+            if len(self._inbox) < MSG.size:
                 self._inbox += _read_all(self.data_fd)
-            if len(self._inbox) >= _MSG.size:
-                msg = _MSG.unpack_from(self._inbox)
-                self._inbox = self._inbox[_MSG.size:]
+            if len(self._inbox) >= MSG.size:
+                msg = MSG.unpack_from(self._inbox)
+                self._inbox = self._inbox[MSG.size:]
                 if msg[0] == RETIRE:
                     mm = self.blocks.pop(msg[2], None)
                     if mm is not None:
-                        _close_quietly(mm)
+                        close_quietly(mm)
                     self._taken(0)
                     continue
-                return msg
+                if msg[0] == PASS_END or (msg[0] == DATA and self._block(msg[2]) is not None):
+                    return msg
+                # Not counted as taken: it is not the producer's (every one of those reads).
+                log.warning("taas data plane: a rank ignored a message (%d, %d, %d, %d) on channel %d",
+                            *msg, self.ch)
+                continue
             self._back(None)  # retry what the producer had no room for
             select.select([self.data_fd], [], [], 0.5)
 
     def take(self):
-        kind, unit, block_id, _ = self._cur or self._next()
+        kind, _, block_id, _ = self._cur or self._next()
         self._cur = None
         assert kind == DATA, kind
-        mm = self.blocks.get(block_id)
-        if mm is None:
-            mm = self.blocks[block_id] = _shm_attach(f"{self.seg.name}-c{self.ch}-b{block_id}")
+        mm = self.blocks[block_id]  # mapped and checked by _next
         size, meta_at, meta_len, nbuf, table_at, blob = struct.unpack_from("<6Q", mm, 0)
         meta = bytes(mm[meta_at:meta_at + meta_len])
-        table = [_ENTRY.unpack_from(mm, table_at + _ENTRY.size * j) for j in range(nbuf)]
+        table = [ENTRY.unpack_from(mm, table_at + ENTRY.size * j) for j in range(nbuf)]
         buffers = [bytearray(mm[blob + off:blob + off + n]) for off, n in table]
         lease = memoryview(mm)
         lent = []
@@ -330,6 +306,21 @@ class ShmReceiver(Receiver):
             self._free(block_id)
         return value, size
 
+    def _block(self, block_id: int) -> mmap.mmap | None:
+        """Block ``block_id`` mapped, if it exists and its header (rewritten per unit) describes
+        parts inside it; else None."""
+        mm = self.blocks.get(block_id)
+        if mm is None:
+            try:
+                mm = _shm_attach(block_name(self.seg.name, self.ch, block_id))
+            except OSError:  # no such block: the message did not come from the producer
+                return None
+            if len(mm) < BLOCK.size:
+                close_quietly(mm)
+                return None
+            self.blocks[block_id] = mm
+        return mm if fits(mm) else None
+
     def skip(self) -> None:
         kind, *_ = self._cur or self._next()
         self._cur = None
@@ -341,10 +332,10 @@ class ShmReceiver(Receiver):
         self.taken_bytes += size
         self.seg.set_channel(self.ch, C_TAKEN_BYTES, self.taken_bytes)
         self.seg.set_channel(self.ch, C_TAKEN_MSGS, self.taken_msgs)
-        self._back(_BACK.pack(TAKEN, 0))
+        self._back(BACK.pack(TAKEN, 0))
 
     def _free(self, block_id: int) -> None:  # may run in any thread (garbage collection)
-        self._back(_BACK.pack(FREED, block_id))
+        self._back(BACK.pack(FREED, block_id))
 
     def _back(self, message: bytes | None) -> None:
         with self._lock:
@@ -356,7 +347,7 @@ class ShmReceiver(Receiver):
                 try:
                     os.write(self.space_fd, self._pending[0])
                 except BlockingIOError:  # the producer is busy; it drains the FIFO when it waits
-                    if _BACK.unpack(self._pending[-1])[0] == TAKEN:
+                    if BACK.unpack(self._pending[-1])[0] == TAKEN:
                         self._pending.pop()  # wake-ups need not queue
                     return
                 self._pending.pop(0)
@@ -368,17 +359,10 @@ class ShmReceiver(Receiver):
         with self._lock:
             self._closed = True
         try:
-            os.write(self.space_fd, _BACK.pack(TAKEN, 0))
+            os.write(self.space_fd, BACK.pack(TAKEN, 0))
         except BlockingIOError:
             pass
 
 
 def _itemsize(dtype) -> int:
     return dtype.itemsize
-
-
-def _close_quietly(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:  # tensors still view it; it goes when they do
-        pass

@@ -9,17 +9,23 @@ words::
                           consumer line (taken msgs, taken bytes, pid, closed, wanted unit + 1,
                           since (f64)), each side writing only its own line
 
-Every shared-memory name of a job starts with ``taas-<job id>-`` (the header, and the blocks
-:mod:`taas.data.shm.ring` creates): :func:`unlink_job` removes them all; the transport
-(:mod:`taas.data.shm.transport`) calls it when the job ends, and its cleanup hook when the
-kernel died.  Also here: the channel FIFOs (made by the kernel in the transport's private
-directory) and the small helpers both channel ends use.
+The names of one job attempt's segments follow one grammar, matched whole, never by prefix:
+``taas-<attempt>-<loader>`` (a header) and ``taas-<attempt>-<loader>-c<channel>-b<block>`` (the
+blocks :mod:`taas.data.shm.ring` creates).  :func:`unlink_job` removes exactly those; the
+transport (:mod:`taas.data.shm.transport`) calls it when the attempt ends, and its cleanup hook
+when the kernel died.  A prefix would not do: the next attempt of job J is ``J-1``
+(:func:`taas.launch.api.attempt_id`), so ``taas-J-`` also starts every name of attempt ``J-1``
+-- and the start process runs attempt J's hook late, once J's processes ended, when attempt
+``J-1`` may have made its segments already -- as well as the job's big values
+(``taas-J-value0``, :mod:`taas.job.memory.bigvalues`).  Also here: the channel FIFOs (made by
+the kernel in the transport's private directory) and the small helpers both channel ends use.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -39,6 +45,11 @@ SHM_PREFIX = "taas-"
 
 def segment_name(job_id: str, index: int) -> str:
     return f"{SHM_PREFIX}{job_id}-{index}"
+
+
+def block_name(header: str, channel: int, block: int) -> str:
+    """A block of ``header``'s channel ``channel`` (:data:`BLOCK_SUFFIX` matches it)."""
+    return f"{header}-c{channel}-b{block}"
 
 
 @dataclass(frozen=True)
@@ -83,16 +94,32 @@ def unlink(name: str) -> None:
         pass
 
 
-def unlink_job(job_id: str) -> list[str]:
-    """Unlink every segment of job ``job_id`` (the header and all blocks); returns the names."""
-    prefix = f"{SHM_PREFIX}{job_id}-"
+BLOCK_SUFFIX = r"(?:-c[0-9]+-b[0-9]+)?"  # a header's blocks: <header>-c<channel>-b<block>
+
+
+def names_of(job_id: str, middle: str = "") -> "re.Pattern[str]":
+    """The whole names of job attempt ``job_id``'s headers ``taas-<job><middle><loader>`` and
+    their blocks (``middle``: a regular expression, e.g. a relay's ``-n<node>``): a full match,
+    so that no other attempt's name (``taas-<job>-1-0``) nor another room's (``taas-<job>-value0``)
+    is one of them."""
+    return re.compile(re.escape(f"{SHM_PREFIX}{job_id}") + middle + "-[0-9]+" + BLOCK_SUFFIX)
+
+
+def unlink_matching(pattern: "re.Pattern[str]") -> list[str]:
+    """Unlink every segment whose whole name matches ``pattern``; returns the names."""
     try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        names = [n for n in os.listdir("/dev/shm") if pattern.fullmatch(n)]
     except OSError:
         return []
     for name in names:
         unlink(name)
     return names
+
+
+def unlink_job(job_id: str) -> list[str]:
+    """Unlink every segment of job attempt ``job_id`` (its headers and all their blocks), and
+    nothing else; returns the names."""
+    return unlink_matching(names_of(job_id))
 
 
 class Segment:

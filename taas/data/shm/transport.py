@@ -8,7 +8,9 @@ it open, and a fast worker may send everything and exit before its rank opens th
 bytes travel in blocks the workers create (:mod:`taas.data.shm.ring`), named after the header.
 
 :meth:`ShmTransport.close` and the cleanup hook (:func:`cleanup`, run by the launcher when the
-kernel died) remove the same things: every ``taas-<job>-*`` segment and the FIFO directory.
+attempt's processes ended or the kernel died) remove the same things: the attempt's segments,
+by whole name (:func:`taas.data.shm.segment.unlink_job`: never the next attempt's, which the
+late hook may find already made), and the FIFO directory.
 """
 
 from __future__ import annotations

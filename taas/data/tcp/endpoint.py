@@ -15,13 +15,14 @@ import socket
 import threading
 import time
 
-from taas.data.tcp import wire
 from taas.data.shm.transport import ENDPOINT as SHM_ENDPOINT
-from taas.data.tcp.relay import fifo_directory, header_name, node_of
+from taas.data.tcp import messages, wire
+from taas.data.tcp.nodes import fifo_directory, header_name, node_of
 from taas.data.transport import DONE, Address, Endpoint, Sender, WorkerControl, attach, encode
 
 WAIT_S = 0.1  # a send without progress this long counts as waiting for buffer space
 COALESCE = 64 * 1024  # blobs smaller than this are sent with the frame's head
+WHERE_TRIES = 3  # questions to the hub before a loader worker gives up on a relay
 
 
 class _Stream:
@@ -55,6 +56,8 @@ class _Stream:
             for kind, channel, *_ in wire.FRAME.iter_unpack(self._inbox[:whole]):
                 if kind == wire.GONE:
                     self.gone.add(channel)
+                else:  # fixed-size frames: the next one is still in step
+                    wire.log.warning("taas data plane: a loader worker ignored a frame of kind %d from a relay", kind)
             self._inbox = self._inbox[whole:]
 
     def send(self, parts: list, on_wait=None) -> bool:
@@ -234,18 +237,27 @@ class TcpEndpoint(Endpoint):
     def _stream(self, node: int, worker: int) -> _Stream:
         stream = self.streams.get(node)
         if stream is None:
-            hub = wire.connect_auth(self.hub, self.secret)
-            try:
-                wire.send_message(hub, {"op": "where", "node": node})
-                relay = wire.recv_message(hub)
-            finally:
-                hub.close()
-            sock = wire.connect_auth((relay["host"], relay["port"]), self.secret)
+            relay = self._where(node)
+            sock = wire.connect_auth((relay.host, relay.port), self.secret)
             sock.sendall(wire.FRAME.pack(wire.HELLO, 0, 0, self.loader, worker, 0, 0))
             if self.control.seq:
                 sock.sendall(self.control.frame())
             stream = self.streams[node] = _Stream(sock)
         return stream
+
+    def _where(self, node: int) -> messages.RelayAt:
+        """Where node ``node``'s relay listens, as the hub says; an answer that cannot be read
+        is logged and the question asked again (on a new connection), WHERE_TRIES times."""
+        for _ in range(WHERE_TRIES):
+            hub = wire.connect_auth(self.hub, self.secret)
+            try:
+                wire.send_message(hub, messages.WhereIs(node))
+                return wire.recv_message(hub, messages.RelayAt)
+            except messages.BadMessage as exc:
+                wire.log.warning("taas data plane: a loader worker ignored an answer of the data hub: %s", exc)
+            finally:
+                hub.close()
+        raise ConnectionError(f"the data hub never said where node {node}'s relay is")
 
     def sender(self, channel, on_wait=None) -> Sender:
         return _TcpSender(self._stream(self._node(channel), self.pairs[channel][0]), channel, on_wait)

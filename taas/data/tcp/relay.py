@@ -2,7 +2,8 @@
 
 The relay owns its node's shared memory exactly as the kernel and the producers own it in the
 one-machine transport (:mod:`taas.data.shm.transport`): per loader a header segment
-``taas-<job>-n<node>-<loader>`` and the channel FIFOs in ``<tmp>/taas-<job>-relay-n<node>``,
+``taas-<job>-n<node>-<loader>`` and the channel FIFOs in ``<tmp>/taas-<job>-relay-n<node>``
+(the names: :mod:`taas.data.tcp.nodes`),
 and a :class:`~taas.data.shm.ring.ShmSender` per channel whose rank is on this node.  The ranks read
 them with the shared-memory receiver: their views do not change.
 
@@ -37,42 +38,12 @@ import threading
 import time
 
 from taas.data.shm import segment
-from taas.data.tcp import wire
 from taas.data.shm.ring import ShmSender
+from taas.data.tcp import messages, wire
+from taas.data.tcp.nodes import fifo_directory, header_name, node_of, remove_node
 from taas.data.transport import BLOCKED, DONE
 
 POLL_S = 0.1
-
-
-def header_name(job_id: str, node: int, loader: int) -> str:
-    return f"{segment.SHM_PREFIX}{job_id}-n{node}-{loader}"
-
-
-def fifo_directory(job_id: str, node: int) -> str:
-    return os.path.join(tempfile.gettempdir(), f"{segment.SHM_PREFIX}{job_id}-relay-n{node}")
-
-
-def node_of(rank: int, nodes) -> int:
-    """The GPU node of ``rank``: ``nodes`` is ranks per node (rank r on node r // nodes, every
-    node alike), a sequence giving each rank's node (a launcher's placement: nodes may hold
-    different numbers of ranks), or None (one node)."""
-    if not nodes:
-        return 0
-    if isinstance(nodes, int):
-        return rank // nodes
-    return int(nodes[rank])
-
-
-def remove_node(job_id: str, node: int) -> None:
-    """Unlink node ``node``'s segments of job ``job_id`` and remove its FIFO directory."""
-    prefix = f"{segment.SHM_PREFIX}{job_id}-n{node}-"
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    except OSError:
-        names = []
-    for name in names:
-        segment.unlink(name)
-    shutil.rmtree(fifo_directory(job_id, node), ignore_errors=True)
 
 
 class _Loader:
@@ -102,9 +73,9 @@ class Relay:
             self.listener = wire.listen(self.host)
             port = self.listener.getsockname()[1]
             self.hub = wire.connect_auth(self.hub_address, self.secret)
-            wire.send_message(self.hub, {"op": "relay", "node": self.node, "host": self.host, "port": port})
-            layout = wire.recv_message(self.hub)
-            self._make(layout)
+            wire.send_message(self.hub, messages.RelayUp(self.node, self.host, port))
+            # Without a readable layout there is nothing to serve: BadMessage fails the relay.
+            self._make(wire.recv_message(self.hub, messages.JobLayout))
         except BaseException:  # half set up: release what was made, then re-raised
             self.close()
             raise
@@ -112,13 +83,13 @@ class Relay:
             self._thread(target)
         return self
 
-    def _make(self, layout: dict) -> None:
-        per_node = layout.get("ranks_per_node")
+    def _make(self, layout: messages.JobLayout) -> None:
+        per_node = layout.ranks_per_node
         staging = tempfile.mkdtemp(prefix=f"{segment.SHM_PREFIX}{self.job_id}-relay-n{self.node}-new-")
         try:
-            for key, spec in sorted(layout["loaders"].items(), key=lambda kv: int(kv[0])):
-                loader, pairs = int(key), [tuple(p) for p in spec["pairs"]]
-                shape = segment.Layout(spec["workers"], len(pairs), int(spec["bound"]) // max(len(pairs), 1))
+            for loader, spec in sorted(layout.loaders.items()):
+                pairs = list(spec.pairs)
+                shape = segment.Layout(spec.workers, len(pairs), spec.bound // max(len(pairs), 1))
                 header = segment.Segment.create(header_name(self.job_id, self.node, loader), shape)
                 item = self.loaders[loader] = _Loader(header, pairs, {})
                 for channel, (worker, rank) in enumerate(pairs):
@@ -162,7 +133,7 @@ class Relay:
             key = (loader, worker)
             with self.lock:
                 self.conns[key] = sock
-                gone = [c for (l, c) in self.announced if l == loader and item.pairs[c][0] == worker]
+                gone = [c for (ld, c) in self.announced if ld == loader and item.pairs[c][0] == worker]
             for channel in gone:
                 self._gone(sock, channel)
             self._frames(sock, loader, worker, item, head)
@@ -175,33 +146,67 @@ class Relay:
             sock.close()
 
     def _frames(self, sock, loader: int, worker: int, item: _Loader, head: memoryview) -> None:
+        """Read the worker's frames until its stream ends.  A frame this relay cannot use (an
+        unknown kind, a channel that is not this worker's here) is logged and skipped, with its
+        payload; only a UNIT whose sizes cannot be trusted ends the stream, since where its
+        next frame starts is then unknown."""
         while not self.stopping.is_set():
             wire.recv_into_exact(sock, head)
             kind, channel, unit, a, b, c, d = wire.FRAME.unpack(head)
             if kind == wire.CONTROL:
-                self._control(item, worker, a, b & 0xFF, c, d, bool(b >> 8 & 1))
+                if b & 0xFF > DONE:
+                    self._bad(f"a worker state {b & 0xFF}", loader, worker)
+                else:
+                    self._control(item, worker, a, b & 0xFF, c, d, bool(b >> 8 & 1))
                 continue
+            if kind not in (wire.UNIT, wire.END):
+                self._bad(f"a frame of kind {kind}", loader, worker)
+                continue  # fixed-size: the next frame follows
             sender = item.senders.get(channel)
-            if sender is None or item.pairs[channel][0] != worker or kind not in (wire.UNIT, wire.END):
-                wire.log.warning("taas data plane: relay of node %d: bad frame %d for channel %d from "
-                                 "loader %d worker %d", self.node, kind, channel, loader, worker)
-                return
+            if sender is not None and item.pairs[channel][0] != worker:
+                sender = None  # another worker's channel
             if kind == wire.END:
-                sender.end_pass(a, unit)
+                if sender is None:
+                    self._bad(f"a pass end for channel {channel}", loader, worker)
+                else:
+                    sender.end_pass(a, unit)
                 continue
-            meta = wire.recv_exact(sock, a)
-            tables = wire.recv_exact(sock, wire.ENTRY.size * (b + c))
-            entries = list(wire.ENTRY.iter_unpack(tables))
-            buffers, blobs = entries[:b], entries[b:]
-            item.current = unit
+            if not self._unit(sock, item, sender, unit, a, b, c, d):
+                self._bad(f"a unit for channel {channel} with sizes it cannot trust (meta {a}, tables "
+                          f"{b}+{c}, blob area {d}); the stream ends", loader, worker)
+                return
+            if sender is None:
+                self._bad(f"a unit for channel {channel}", loader, worker)
 
-            def write(mm, blob_at: int) -> None:
-                with memoryview(mm) as view:
-                    for offset, nbytes in blobs:
-                        wire.recv_into_exact(sock, view[blob_at + offset:blob_at + offset + nbytes])
+    def _unit(self, sock, item: _Loader, sender: ShmSender | None, unit: int, meta_len: int, nbuf: int,
+              nblob: int, area: int) -> bool:
+        """Read a UNIT frame's payload into ``sender``'s ring (or discard it: no sender, or the
+        rank has gone).  False when its sizes are not consistent: the blob bytes are left
+        unread, and where the next frame starts is unknown."""
+        if meta_len > wire.MAX_META or nbuf + nblob > wire.MAX_ENTRIES or area > wire.MAX_AREA:
+            return False
+        meta = wire.recv_exact(sock, meta_len)
+        entries = list(wire.ENTRY.iter_unpack(wire.recv_exact(sock, wire.ENTRY.size * (nbuf + nblob))))
+        if any(offset + nbytes > area for offset, nbytes in entries):
+            return False  # a blob outside the blob area: its bytes would land elsewhere
+        buffers, blobs = entries[:nbuf], entries[nbuf:]
+        if sender is None:
+            _discard(sock, sum(n for _, n in blobs))
+            return True
+        item.current = unit
 
-            if not sender.put_raw(unit, meta, buffers, d, write):
-                _discard(sock, sum(n for _, n in blobs))  # the rank has gone: its bytes go nowhere
+        def write(mm, blob_at: int) -> None:
+            with memoryview(mm) as view:
+                for offset, nbytes in blobs:
+                    wire.recv_into_exact(sock, view[blob_at + offset:blob_at + offset + nbytes])
+
+        if not sender.put_raw(unit, meta, buffers, area, write):
+            _discard(sock, sum(n for _, n in blobs))  # the rank has gone: its bytes go nowhere
+        return True
+
+    def _bad(self, what: str, loader: int, worker: int) -> None:
+        wire.log.warning("taas data plane: relay of node %d ignored %s from loader %d worker %d",
+                         self.node, what, loader, worker)
 
     def _gone(self, sock: socket.socket, channel: int) -> None:
         try:
@@ -238,14 +243,13 @@ class Relay:
 
         return on_wait
 
-    def snapshot(self, loader: int) -> dict:
-        """This node's view of loader ``loader``: per worker [state, unit, busy s, prefetched,
-        produced, sequence, blocked here] (None if it never reported here), and the channels
-        whose rank waits for a unit: {channel: [unit, waited s]}.  Durations, not times: they
-        mean the same on the kernel's machine."""
+    def snapshot(self, loader: int) -> messages.ControlReport:
+        """This node's view of loader ``loader``: per worker what it last reported here (None
+        if it never did), and the channels whose rank waits for a unit: {channel: (unit,
+        waited s)}.  Durations, not times: they mean the same on the kernel's machine."""
         item = self.loaders.get(loader)
         if item is None:
-            return {"workers": [], "wanted": {}}
+            return messages.ControlReport((), {})
         header, now = item.header, time.monotonic()
         workers = []
         for w in range(header.layout.workers):
@@ -253,24 +257,28 @@ class Relay:
             if last is None and w not in item.blocked:
                 workers.append(None)
                 continue
-            workers.append([header.worker(w, segment.W_STATE), header.worker(w, segment.W_UNIT),
-                            now - header.worker_since(w), bool(header.worker(w, segment.W_PREFETCHED)),
-                            header.worker(w, segment.W_PRODUCED), last[0] if last else 0, w in item.blocked])
+            workers.append(messages.WorkerReport(
+                header.worker(w, segment.W_STATE), header.worker(w, segment.W_UNIT),
+                max(now - header.worker_since(w), 0.0), bool(header.worker(w, segment.W_PREFETCHED)),
+                header.worker(w, segment.W_PRODUCED), last[0] if last else 0, w in item.blocked))
         wanted = {}
         for channel in item.senders:
             want = header.channel(channel, segment.C_WANT)
             if want:
-                wanted[str(channel)] = [want - 1, now - header.want_since(channel)]
-        return {"workers": workers, "wanted": wanted}
+                wanted[channel] = (want - 1, max(now - header.want_since(channel), 0.0))
+        return messages.ControlReport(tuple(workers), wanted)
 
     def _answer(self) -> None:
         try:
             while not self.stopping.is_set():
-                message = wire.recv_message(self.hub)
-                if message.get("op") == "query":
-                    reply = self.snapshot(int(message["loader"]))
-                    wire.send_message(self.hub, dict(reply, op="control"))
-        except (OSError, EOFError, ValueError):  # the kernel closed the job's transport: the job is over
+                try:
+                    reply = self.snapshot(wire.recv_message(self.hub, messages.Query).loader)
+                except messages.BadMessage as exc:  # ignored; an empty report keeps query and reply in step
+                    wire.log.warning("taas data plane: relay of node %d ignored a message from the hub: %s",
+                                     self.node, exc)
+                    reply = messages.ControlReport((), {})
+                wire.send_message(self.hub, reply)
+        except (OSError, EOFError):  # the kernel closed the job's transport: the job is over
             pass
         self.stop()
 
@@ -284,9 +292,9 @@ class Relay:
                     elif (loader, channel) not in self.announced:
                         pending.append((loader, channel, item.pairs[channel][0]))
             with self.lock:
-                for loader, channel, worker in pending:
+                for loader, channel, _ in pending:
                     self.announced.add((loader, channel))
-                sends = [(self.conns.get((l, w)), c) for l, c, w in pending]
+                sends = [(self.conns.get((ld, w)), c) for ld, c, w in pending]
             for sock, channel in sends:
                 if sock is not None:
                     self._gone(sock, channel)

@@ -46,20 +46,18 @@ removes everything of the job on the machine it runs on.
 
 from __future__ import annotations
 
-import glob
 import os
 import select
-import shutil
 import socket
-import tempfile
 import threading
 import time
 
 from taas.data.shm import segment
-from taas.data.tcp import wire
-from taas.io import keys
-from taas.data.tcp.relay import node_of, relay_main, remove_node  # noqa: F401 (the relay's entry point)
+from taas.data.tcp import messages, wire
+from taas.data.tcp.nodes import node_of, remove_node
+from taas.data.tcp.relay import relay_main  # noqa: F401 (RELAY_ENTRY names it in this module)
 from taas.data.transport import BLOCKED, STARTING, Address, ControlState, Hook, Transport, WorkerStatus
+from taas.io import keys
 
 ENDPOINT = "taas.data.tcp.endpoint:TcpEndpoint"
 RELAY_ENTRY = "taas.data.tcp.transport:relay_main"
@@ -83,7 +81,7 @@ class TcpTransport(Transport):
         self.host, self.ranks_per_node, self.relay_host = host, ranks_per_node, relay_host or host
         self.node_ids = tuple(node_ids) if node_ids else None
         self.secret = wire.Secret()
-        self.layouts: dict[int, dict] = {}
+        self.layouts: dict[int, messages.LoaderLayout] = {}
         self.relays: dict[int, tuple] = {}  # node -> (socket, lock): control queries
         self._where: dict[int, tuple] = {}  # node -> (host, port) its relay listens on
         self.cond = threading.Condition()
@@ -103,9 +101,9 @@ class TcpTransport(Transport):
 
     # -- the contract ----------------------------------------------------------------------
     def channels(self, loader, workers, pairs, buffer_bytes) -> Address:
-        pairs = [tuple(p) for p in pairs]
+        pairs = [(int(w), int(r)) for w, r in pairs]
         with self.cond:
-            self.layouts[loader] = {"workers": workers, "pairs": pairs, "bound": int(buffer_bytes)}
+            self.layouts[loader] = messages.LoaderLayout(int(workers), tuple(pairs), int(buffer_bytes))
         return Address(ENDPOINT, {"job": self.job_id, "loader": loader, "hub": self.hub, "secret": self.secret,
                                   "pairs": pairs, "ranks_per_node": self.ranks_per_node})
 
@@ -115,7 +113,7 @@ class TcpTransport(Transport):
         from taas.launch.api import ProcessSpec
 
         nodes = sorted({node_of(rank, self.ranks_per_node) for layout in self.layouts.values()
-                        for _, rank in layout["pairs"]})
+                        for _, rank in layout.pairs})
         settings = {"job": self.job_id, "hub": self.hub, "secret": self.secret, "host": self.relay_host}
         return [ProcessSpec(key=keys.relay_key(node), role=keys.RELAY, node=node, entry=RELAY_ENTRY,
                             env=dict(env), storage="strict",
@@ -130,25 +128,18 @@ class TcpTransport(Transport):
             try:
                 with lock:
                     sock.settimeout(QUERY_S)
-                    wire.send_message(sock, {"op": "query", "loader": loader})
-                    reports.append(wire.recv_message(sock))
+                    wire.send_message(sock, messages.Query(loader))
+                    try:
+                        reports.append(wire.recv_message(sock, messages.ControlReport))
+                    except messages.BadMessage as exc:  # that node's words are left out this time
+                        wire.log.warning("taas data plane: ignored a control report of node %d: %s", node, exc)
                     sock.settimeout(None)
-            except (OSError, EOFError, ValueError):  # that relay has gone (its node's ranks ended)
+            except (OSError, EOFError):  # that relay has gone (its node's ranks ended)
                 with self.cond:
                     if self.relays.get(node, (None,))[0] is sock:
                         del self.relays[node]
                 sock.close()
-        workers = []
-        for w in range(layout["workers"]):
-            seen = [r["workers"][w] for r in reports if w < len(r["workers"]) and r["workers"][w]]
-            if not seen:
-                workers.append(WorkerStatus(STARTING, 0, time.monotonic() - self.started, False, 0))
-                continue
-            blocked = [s for s in seen if s[6] and s[0] == BLOCKED]
-            state, unit, busy, _, _, _, _ = blocked[0] if blocked else max(seen, key=lambda s: s[5])
-            workers.append(WorkerStatus(state, unit, busy, any(s[3] for s in seen), max(s[4] for s in seen)))
-        wanted = {int(c): tuple(v) for r in reports for c, v in r["wanted"].items()}
-        return ControlState(workers, wanted)
+        return _merge(layout, reports, time.monotonic() - self.started)
 
     def close(self) -> None:
         with self.cond:
@@ -197,34 +188,50 @@ class TcpTransport(Transport):
         try:
             if not wire.accept_auth(sock, self.secret, "data hub"):
                 return
-            message = wire.recv_message(sock)
-            if message.get("op") == "relay":
-                node = int(message["node"])
+            message = wire.recv_message(sock, messages.RelayUp, messages.WhereIs)
+            if isinstance(message, messages.RelayUp):
                 with self.cond:
-                    layout = {"loaders": {str(k): v for k, v in self.layouts.items()},
-                              "ranks_per_node": self.ranks_per_node}
-                    wire.send_message(sock, layout)
+                    wire.send_message(sock, messages.JobLayout(dict(self.layouts), self.ranks_per_node))
                     if not self.closed:
-                        self.relays[node] = (sock, threading.Lock())
-                        self._where[node] = (message["host"], message["port"])
+                        self.relays[message.node] = (sock, threading.Lock())
+                        self._where[message.node] = (message.host, message.port)
                         keep = True
                         self.cond.notify_all()
-            elif message.get("op") == "where":
-                node = int(message["node"])
+            else:
                 with self.cond:
-                    while node not in self._where and not self.closed:
+                    while message.node not in self._where and not self.closed:
                         self.cond.wait()
                     if self.closed:
                         return
-                    host, port = self._where[node]
-                wire.send_message(sock, {"host": host, "port": port})
-        except (OSError, EOFError, ValueError):  # a peer that went away mid-request: nothing to answer
+                    host, port = self._where[message.node]
+                wire.send_message(sock, messages.RelayAt(host, port))
+        except messages.BadMessage as exc:  # ignored: the connection closes, the job goes on
+            wire.log.warning("taas data plane: the data hub ignored a message it cannot read: %s", exc)
+        except (OSError, EOFError):  # a peer that went away mid-request: nothing to answer
             pass
         finally:
             with self.cond:
                 self._socks.discard(sock)
             if not keep:
                 sock.close()
+
+
+def _merge(layout: messages.LoaderLayout, reports: list, age: float) -> ControlState:
+    """One loader's control state from its relays' reports: a worker BLOCKED on any node is
+    BLOCKED, otherwise the report with the highest sequence number wins; ``age``: how long
+    the transport has been up (a worker no relay has heard of is STARTING since then)."""
+    workers = []
+    for w in range(layout.workers):
+        seen = [r.workers[w] for r in reports if w < len(r.workers) and r.workers[w] is not None]
+        if not seen:
+            workers.append(WorkerStatus(STARTING, 0, age, False, 0))
+            continue
+        blocked = [s for s in seen if s.blocked and s.state == BLOCKED]
+        last = blocked[0] if blocked else max(seen, key=lambda s: s.seq)
+        workers.append(WorkerStatus(last.state, last.unit, last.busy_s, any(s.prefetched for s in seen),
+                                    max(s.produced for s in seen)))
+    wanted = {c: v for r in reports for c, v in r.wanted.items() if c < len(layout.pairs)}
+    return ControlState(workers, wanted)
 
 
 def cleanup(job_id: str, node_ids: "tuple[str, ...] | None" = None) -> None:
@@ -242,8 +249,7 @@ def cleanup(job_id: str, node_ids: "tuple[str, ...] | None" = None) -> None:
                 remove_node(job_id, node)
         return
     segment.unlink_job(job_id)
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{segment.SHM_PREFIX}{job_id}-relay-n*")):
-        shutil.rmtree(path, ignore_errors=True)
+    remove_node(job_id)  # every node's, by whole names: never the next attempt's (taas-<job>-1-…)
 
 
 def _shut(sock: socket.socket) -> None:

@@ -12,8 +12,8 @@ the side that listens sends anything but its challenge::
 A fresh nonce per connection on both sides: a recorded handshake cannot be replayed.
 
 After it, data streams carry binary frames (:data:`FRAME`, 48 bytes, then a payload) and the
-kernel's hub carries small JSON messages (``u32`` length + UTF-8 JSON).  Nothing read from a
-socket is ever unpickled.
+kernel's hub carries small JSON messages (``u32`` length + UTF-8 JSON), typed in
+:mod:`taas.data.tcp.messages`.  Nothing read from a socket is ever unpickled.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import logging
 import secrets
 import socket
 import struct
+
+from taas.data.tcp import messages
 
 log = logging.getLogger("taas.data.tcp")
 
@@ -40,6 +42,10 @@ END = 3  # unit: the first unit of the next pass, a: the pass that ended
 CONTROL = 4  # a: sequence number, b: state | prefetched << 8, c: unit, d: units produced
 GONE = 5  # relay -> worker: the rank on ``channel`` has gone
 ENTRY = struct.Struct("<2Q")  # (offset, nbytes) of a buffer or a blob
+# What a relay trusts a UNIT frame to say (beyond, the stream ends: its sizes are garbage).
+MAX_META = 1 << 28  # bytes of pickled structure (tensors and arrays travel in the blob area)
+MAX_ENTRIES = 1 << 24  # buffers and blobs
+MAX_AREA = 1 << 44  # bytes of blob area
 _LEN = struct.Struct("<I")
 MAX_MESSAGE = 1 << 24
 
@@ -143,13 +149,22 @@ def listen(host: str) -> socket.socket:
     return sock
 
 
-def send_message(sock: socket.socket, message: dict) -> None:
-    data = json.dumps(message).encode()
+def send_message(sock: socket.socket, message: messages.Message) -> None:
+    """Send a hub message (:mod:`taas.data.tcp.messages`): ``u32`` length + UTF-8 JSON."""
+    data = json.dumps(messages.encode(message)).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_message(sock: socket.socket) -> dict:
+def recv_message(sock: socket.socket, *expected: type) -> messages.Message:
+    """The next hub message, one of ``expected`` (any if none).  :class:`messages.BadMessage`
+    when its bytes are not one (the connection stays usable: the next message starts after
+    it); EOFError when the connection ended, or announced a message too big to read."""
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     if n > MAX_MESSAGE:
         raise EOFError(f"message of {n} bytes")
-    return json.loads(recv_exact(sock, n))
+    data = recv_exact(sock, n)
+    try:
+        decoded = json.loads(data)
+    except ValueError as exc:  # not UTF-8, not JSON
+        raise messages.BadMessage(f"not JSON ({exc}): {data[:200]!r}") from None
+    return messages.decode(decoded, *expected)

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
-import sys
 import uuid
 
-import pytest
 import torch
 
 from taas import directive
-from taas.data import registry, loader_worker as worker
+from taas.data import loader_worker as worker
 from taas.data.plane import DataPlane
 from taas.data.transport import (
     LOADING, Address, ControlState, Endpoint, Receiver, Transport, WorkerStatus, attach, resolve,
@@ -22,35 +19,10 @@ from taas.data.transport import (
 from taas.data.view import LoaderView
 from taas.launch.local.launcher import LocalLauncher
 from taas.session import transport_for
+from tests.support.data import job_shm, run_hook
 from tests.support.forks import exit_code, fork_job_process, no_leftover_children  # noqa: F401 (an autouse fixture)
 
 SHM = "taas.data.shm.transport:ShmTransport"
-
-
-@pytest.fixture
-def registered():
-    made = []
-
-    def register(value, **kw):
-        registry.register(value, **kw)
-        made.append(value)
-        return value
-
-    yield register
-    for value in made:
-        registry.unregister(value)
-
-
-def job_shm(job_id: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"taas-{job_id}-")]
-
-
-def run_hook(hook) -> None:
-    """Run a cleanup hook as the launcher does: in another process, imported by name."""
-    code = ("import importlib, pickle, sys; entry, args = pickle.load(sys.stdin.buffer); "
-            "m, _, f = entry.partition(':'); getattr(importlib.import_module(m), f)(*args)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    subprocess.run([sys.executable, "-c", code], input=pickle.dumps(hook), env=env, check=True, timeout=120)
 
 
 def test_the_session_picks_shared_memory_where_the_local_launcher_runs_jobs():

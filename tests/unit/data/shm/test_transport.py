@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import gc
 import os
 import time
@@ -15,15 +13,8 @@ import torch
 
 from taas.data.shm import segment, ring as shm
 from taas.data.transport import DATA, PASS_END
+from tests.support.data import Point, same, structures
 from tests.support.forks import exit_code, fork, no_leftover_children  # noqa: F401 (an autouse fixture)
-
-Point = collections.namedtuple("Point", "x y")
-
-
-@dataclasses.dataclass
-class Sample:
-    image: torch.Tensor
-    label: int
 
 
 @pytest.fixture
@@ -61,36 +52,6 @@ def produce(seg_name, fifos, values, pass_end=None):
             ok = tx.end_pass(0, pass_end)
         return 0 if ok else 3
     return fork(body)
-
-
-def structures():
-    return [
-        (torch.arange(12.0).view(3, 4), torch.tensor([1, 2, 3])),
-        [torch.zeros(0), torch.tensor(5), torch.ones(2, 3, dtype=torch.bool)],
-        {"x": torch.randn(4, 5).t(), "label": 3, "name": "cat", "meta": {"ids": [1, 2], "f": 0.5}},
-        Point(torch.arange(6, dtype=torch.int16), "y"),
-        Sample(torch.full((2, 2), 7, dtype=torch.uint8), 9),
-        (np.arange(10, dtype=np.float32).reshape(2, 5), np.array(["a", "bc"]), np.float64(2.5)),
-        torch.randn(3, dtype=torch.complex64),
-        torch.randn(4, 4).to(torch.bfloat16),
-        torch.ones(3, requires_grad=True),
-        ("strings only", 1, None, b"bytes"),
-    ]
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return (type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
-                and a.requires_grad == b.requires_grad and torch.equal(a.detach(), b.detach()))
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    if isinstance(a, dict):
-        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if dataclasses.is_dataclass(a):
-        return type(a) is type(b) and same(dataclasses.astuple(a), dataclasses.astuple(b))
-    return type(a) is type(b) and a == b
 
 
 def test_structures_arrive_equal_with_tensors_outside_pickle(channel):

@@ -25,10 +25,9 @@ from taas.data.tcp.transport import TcpTransport
 from taas.data.transport import BLOCKED, DATA, PASS_END, attach, resolve
 from taas.data.view import LoaderView
 from taas.launch.api import ProcessSpec
-from tests.unit.data.test_contract import job_shm, registered, run_hook  # noqa: F401 (a fixture)
+from tests.support.data import job_shm, run_hook, same, structures
 from tests.support import forks
 from tests.support.forks import exit_code, fork_job_process, no_leftover_children  # noqa: F401 (an autouse fixture)
-from tests.unit.data.shm.test_transport import same, structures
 
 TCP = "taas.data.tcp.transport:TcpTransport"
 MiB = 1 << 20
@@ -89,7 +88,7 @@ def run_job(plane: DataPlane, job_id: str, tmp_path, ranks: int):
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_every_unit_arrives_once_and_equal_through_relays(registered, tmp_path, nodes):  # noqa: F811
+def test_every_unit_arrives_once_and_equal_through_relays(registered, tmp_path, nodes):
     values = structures() * 2
     data = registered(values)
     options = directive.parse_options(f"--gpus 2 --cpus 2 --units {len(values)}")
@@ -259,7 +258,7 @@ class _Sink:
         pass
 
 
-def test_a_local_launcher_job_runs_over_tcp_relays(registered):  # noqa: F811
+def test_a_local_launcher_job_runs_over_tcp_relays(registered):
     """The plane starts the relays as job processes; the ranks' views are unchanged."""
     import glob
     import re
