@@ -144,7 +144,9 @@ def get_worker_info() -> WorkerInfo | None:
 # -- helpers ---------------------------------------------------------------------------------
 def _describe(loader) -> str:
     kind = type(loader)
-    name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):
+        name = f"{kind.__module__}.{kind.__qualname__}"
     return f"this {name}"
 
 

@@ -60,7 +60,8 @@ def read_to_end(sock: socket.socket) -> bytes:
         out += chunk
 
 
-@pytest.mark.parametrize("junk", [b"not json", b"[1, 2]", b'{"op": "where", "node": "x"}', b'{"op": "query", "loader": 0}'])
+@pytest.mark.parametrize("junk", [b"not json", b"[1, 2]", b'{"op": "where", "node": "x"}',
+                                  b'{"op": "query", "loader": 0}'])
 def test_the_hub_closes_a_connection_that_opens_with_a_bad_message_and_serves_on(job, caplog, junk):
     transport, address, _ = job
     with wire.connect_auth(transport.hub, transport.secret) as sock:
