@@ -263,7 +263,8 @@ def test_malformed_data_events_from_a_rank_are_ignored(kernel, clean):
 def test_register_errors_and_status_in_the_notebook(kernel):
     again = kernel.run("taas.register(loader)")
     assert again.error and again.error["ename"] == "RegistrationError" and "already registered" in again.error["evalue"]
-    bad = kernel.run("import threading\nclass Locked(list):\n    pass\nlocked = Locked([1])\nlocked.lock = threading.Lock()\ntaas.register(locked)")
+    bad = kernel.run("import threading\nclass Locked(list):\n    pass\nlocked = Locked([1])\n"
+                     "locked.lock = threading.Lock()\ntaas.register(locked)")
     assert bad.error and "`loader.lock` is _thread.lock" in bad.error["evalue"]
     names = kernel.run("print(taas.is_registered(loader), 'loader' in taas.registered(), taas.get_worker_info())")
     assert names.stdout.strip() == "True True None"

@@ -10,7 +10,8 @@ import time
 import psutil
 import pytest
 
-from tests.support.kernel_driver import Kernel, cell, one_line_usage_error, open_files, process_name, wait_for, wait_until_gone
+from tests.support.kernel_driver import (Kernel, cell, one_line_usage_error, open_files, process_name, wait_for,
+                                         wait_until_gone)
 from tests.support.launchers import on_both_launchers
 
 pytestmark = pytest.mark.kernel
@@ -123,9 +124,11 @@ def test_error_in_a_notebook_function_points_at_its_cell(kernel, clean):
 @pytest.mark.parametrize("body, expected", [
     ("import sys, os\nif os.environ['RANK'] == '1':\n    sys.exit(3)\nimport torch.distributed as d\nd.barrier()",
      "rank1 exited with code 3"),
-    ("import os, ctypes\nif os.environ['RANK'] == '1':\n    ctypes.string_at(0)\nimport torch.distributed as d\nd.barrier()",
+    ("import os, ctypes\nif os.environ['RANK'] == '1':\n    ctypes.string_at(0)\n"
+     "import torch.distributed as d\nd.barrier()",
      "rank1 was killed by SIGSEGV"),
-    ("import os, signal\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\nimport torch.distributed as d\nd.barrier()",
+    ("import os, signal\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+     "import torch.distributed as d\nd.barrier()",
      "rank0 was killed by SIGKILL"),
 ])
 def test_exits_and_signals_stop_the_job(kernel, clean, body, expected):
@@ -197,7 +200,7 @@ def test_dataloader_workers_inside_a_rank(kernel, clean):
 def test_bad_directives_are_one_line_usage_errors(kernel, line, message):
     run = kernel.run(line + "\nprint('ran')")
     assert run.status == "error"
-    usage = [l for l in run.stderr.splitlines() if l.startswith("UsageError: ")]
+    usage = [line for line in run.stderr.splitlines() if line.startswith("UsageError: ")]
     assert len(usage) == 1 and message in usage[0], run.stderr
     assert "ran" not in run.stdout
 
@@ -283,7 +286,8 @@ def test_kernel_killed_right_after_a_job_leaves_no_job_directory(workdir):
 
     k = Kernel(str(workdir))
     try:
-        run = k.run("%%taas --gpus 2\nimport os\nfor i in range(200):\n    open(os.path.join(os.environ['TAAS_SCRATCH'], str(i)), 'w').close()")
+        run = k.run("%%taas --gpus 2\nimport os\nfor i in range(200):\n"
+                    "    open(os.path.join(os.environ['TAAS_SCRATCH'], str(i)), 'w').close()")
         assert run.error is None, run.traceback
         tree = [p.pid for p in k.descendants()]
         os.kill(k.pid, signal.SIGKILL)
@@ -296,7 +300,8 @@ def test_kernel_killed_right_after_a_job_leaves_no_job_directory(workdir):
 def test_two_kernels_run_jobs_at_the_same_time(workdir):
     a, b = Kernel(str(workdir)), Kernel(str(workdir))
     try:
-        body = "%%taas --gpus 2\nimport torch, torch.distributed as dist, time\nt = torch.ones(1)\nfor _ in range(20):\n    dist.all_reduce(t); time.sleep(0.05)\nprint('sum', t.item())"
+        body = ("%%taas --gpus 2\nimport torch, torch.distributed as dist, time\nt = torch.ones(1)\n"
+                "for _ in range(20):\n    dist.all_reduce(t); time.sleep(0.05)\nprint('sum', t.item())")
         ids = [k.execute(body) for k in (a, b)]
         for k, msg_id in zip((a, b), ids):
             reply = k.reply(msg_id)
@@ -386,7 +391,8 @@ def test_accelerate_runs_as_the_job_ranks(kernel, clean):
               acc.distributed_type, type(model).__name__)
         """))
     assert run.error is None, run.traceback
-    assert "[rank0] accelerate 0 of 2 rank 0 DistributedType.MULTI_CPU DistributedDataParallel" in run.stdout, run.stdout
+    expected = "[rank0] accelerate 0 of 2 rank 0 DistributedType.MULTI_CPU DistributedDataParallel"
+    assert expected in run.stdout, run.stdout
     assert "[rank1] accelerate 1 of 2 rank 1 DistributedType.MULTI_CPU DistributedDataParallel" in run.stdout
 
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tests.support.kernel_driver import Kernel, OFFLINE, cell, one_line_usage_error, plain, process_name, wait_for, wait_until_gone
+from tests.support.kernel_driver import (Kernel, OFFLINE, cell, one_line_usage_error, plain, process_name, wait_for,
+                                         wait_until_gone)
 from tests.support.launchers import on_both_launchers
 
 pytestmark = pytest.mark.kernel

@@ -123,7 +123,8 @@ def test_accelerate_test_script_with_ranks_sharing_one_file(kernel, clean, workd
 def test_trainer_without_use_cpu_also_runs_as_the_job_on_cpu(kernel, clean, workdir):
     kernel.run(f"from transformers import TrainingArguments\n"
                f"plain_args = TrainingArguments(output_dir={str(workdir / 'hf-plain')!r}, report_to=[])")
-    run = kernel.run("%%taas --gpus 2\nprint('world', plain_args.world_size, plain_args.device, plain_args.process_index)")
+    run = kernel.run("%%taas --gpus 2\n"
+                     "print('world', plain_args.world_size, plain_args.device, plain_args.process_index)")
     assert run.error is None, run.traceback
     assert re.search(r"\[rank1\] world 2 cpu(:0)? 1", run.stdout), run.stdout
 
@@ -230,7 +231,8 @@ def test_a_result_that_fails_to_unpickle_in_the_kernel_costs_only_itself(kernel,
                 if "RANK" not in os.environ:
                     raise SystemExit("not here")
         """))
-    run = kernel.run("%%taas --gpus 2\nrefused = KernelRefuses()\nkept2 = 7\nimport torch.distributed as d\nd.barrier()")
+    run = kernel.run("%%taas --gpus 2\nrefused = KernelRefuses()\nkept2 = 7\n"
+                     "import torch.distributed as d\nd.barrier()")
     assert run.error is None, run.traceback
     assert "`refused` was not brought back: SystemExit: not here" in run.stderr, run.stderr
     assert kernel.run("print(kept2)").stdout.strip() == "7"
