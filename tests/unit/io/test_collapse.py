@@ -6,6 +6,7 @@ import pytest
 
 from taas.io.collapse import Collapser, Shown, bar_shape, expand, tag
 from taas.io.output import LineSplitter, OutputRouter
+from tests.support.ranks import per_rank
 
 
 @pytest.mark.parametrize("ranks, text", [
@@ -234,3 +235,13 @@ def test_router_a_ranks_held_lines_come_before_its_long_line():
     r._splitters[("rank0", "stdout")] = LineSplitter(max_line=4)
     r.feed("rank0", "stdout", b"first\n" + b"x" * 10)
     assert sink.text() == "[rank0] first\n[rank0] " + "x" * 10
+
+
+def test_per_rank_reads_collapsed_output_back_as_each_rank_printed_it():
+    sink, clock, r = router(["rank0", "rank1", "rank2", "rank3"])
+    for i in range(4):
+        r.feed(f"rank{i}", "stdout", b"done\n" + (b"odd\n" if i % 2 else b""))
+    r.close()
+    assert sink.text() == "[rank0-3] done\n[rank1,3] odd\n"
+    assert per_rank(sink.text()) == "[rank0] done\n[rank1] done\n[rank2] done\n[rank3] done\n[rank1] odd\n[rank3] odd\n"
+    assert per_rank("plain\n[rank2] y") == "plain\n[rank2] y"
