@@ -1,22 +1,24 @@
 """Identical lines of many ranks, shown once: ``[rank0-31] epoch done``.  Pure; time is given.
 
 A :class:`Collapser` is fed whole lines as ``(rank, stream, text, now)`` and gives back
-:class:`Shown` lines, each with the ranks that printed it.  A line is *held* (a pending group)
-until it is known which ranks print it:
+:class:`Shown` lines, each with the ranks that printed it.  Each rank's lines wait in its own
+queue (stdout and stderr together, so that one rank's lines keep their order across both);
+only the *heads* of the queues are ever shown, so no rank's lines are reordered, whatever order
+the ranks' pipes were read in.  The ranks whose heads are the same line are shown as one line.
 
-* rank r's line joins the oldest pending group of the same stream and text that lies after
-  rank r's previous line, or starts a new group at the end.  Groups are shown first in, first
-  out, so one rank's lines keep their order (across stdout and stderr too).
-* a group is *decided* once every expected rank either joined it or printed a later line (it
-  can no longer join: see above).  The oldest group is shown as soon as it is decided, or
-  ``hold`` seconds after it began (a rank that prints nothing else, a rank far behind), or when
-  more than ``limit`` groups are held (the buffer is bounded: memory and latency stay bounded
-  whatever the ranks print).
+The head line T of some ranks is shown
 
-The cost is linear in the lines: each line is one dictionary look-up plus a cursor that only
-moves forward over its text's groups; a group costs one pass over the ranks when it becomes
-the oldest.  :attr:`Collapser.steps` counts that work, so that a test can check it without a
-clock.
+* once it is decided and ``settle`` seconds old: every other expected rank has a line
+  waiting, none of them has T later in its queue (then that rank's earlier lines go first,
+  and it joins T after them);
+* or ``hold`` seconds after the oldest waiting line came (a rank that prints nothing else, a
+  rank far behind), or when more than ``limit`` lines wait (memory and latency stay bounded).
+
+When several head lines are decided, the one of the lowest rank goes first: ranks printing
+distinct lines at the same moment show in rank order.  The cost is linear in the lines: a line
+costs a few dictionary updates when it comes and when it is shown, and picking what to show
+next looks at the decided head lines only (at most one per rank).  :attr:`Collapser.steps`
+counts that work, so that a test can check it without a clock.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 HOLD = 0.3  # seconds a line waits at most for the other ranks' identical line
-LIMIT = 4096  # groups held at most; past it the oldest is shown as it is
+# Seconds a decided line still waits: the ranks' pipes are read one after the other, so a
+# rank's earlier line can come a moment after another rank's later one; this lets it come.
+SETTLE = 0.1
+LIMIT = 32768  # lines waiting at most; past it the oldest is shown as it is
 
 
 @dataclass(frozen=True)
@@ -73,133 +78,159 @@ def bar_shape(text: str) -> tuple[str, ...]:
 
 
 @dataclass(eq=False)
-class _Group:
-    seq: int
-    stream: str
-    text: str
+class _Line:
+    key: tuple[str, str]  # (stream, text)
     born: float
-    ranks: list[int] = field(default_factory=list)
-
-
-class _Same:
-    """The pending groups of one (stream, text), oldest first, and each rank's cursor into them
-    (the index of the first group that rank has not yet joined or passed)."""
-
-    __slots__ = ("groups", "head", "cursor")
-
-    def __init__(self) -> None:
-        self.groups: list[_Group] = []
-        self.head = 0  # groups before it were shown
-        self.cursor: dict[int, int] = {}
-
-    def compact(self) -> None:
-        # Shown groups are dropped in batches, so that this list stays as long as what is held.
-        if self.head >= 256 and self.head * 2 >= len(self.groups):
-            del self.groups[:self.head]
-            self.cursor = {r: max(0, i - self.head) for r, i in self.cursor.items()}
-            self.head = 0
+    rank: int
+    done: bool = False
 
 
 class Collapser:
     """Whole lines of ``ranks`` -> :class:`Shown` lines (see the module's docstring)."""
 
-    def __init__(self, ranks: Iterable[int], hold: float = HOLD, limit: int = LIMIT) -> None:
-        self.hold, self.limit = hold, limit
-        self._expected = set(ranks)  # ranks whose next line may still join a held group
-        self._last: dict[int, int] = {}  # rank -> seq of the group its latest line is in
-        self._queue: deque[_Group] = deque()
-        self._same: dict[tuple[str, str], _Same] = {}
-        self._seq = 0
-        self._lagging = 0  # expected ranks that neither joined nor passed the oldest group
+    def __init__(self, ranks: Iterable[int], hold: float = HOLD, limit: int = LIMIT,
+                 settle: float = SETTLE) -> None:
+        self.hold, self.limit, self.settle = hold, limit, min(settle, hold)
+        self._expected = set(ranks)  # ranks that may still print: decisions wait for them
+        self._queues: dict[int, deque[_Line]] = {}
+        self._counts: dict[int, dict[tuple[str, str], int]] = {}  # rank -> key -> lines waiting
+        self._holders: dict[tuple[str, str], int] = {}  # key -> ranks with it waiting
+        self._heads: dict[tuple[str, str], set[int]] = {}  # key -> ranks whose head line it is
+        self._ready: dict[tuple[str, str], None] = {}  # head keys no other rank holds later
+        self._order: deque[_Line] = deque()  # every waiting line, oldest first (shown ones skipped)
+        self._waiting = 0
+        self._idle = len(self._expected)  # expected ranks with no line waiting
         self.steps = 0  # work done, for tests of the cost
 
     @property
     def held(self) -> int:
-        return len(self._queue)
+        """Lines waiting."""
+        return self._waiting
 
     def add(self, rank: int, stream: str, text: str, now: float) -> list[Shown]:
         """Rank ``rank`` printed the line ``text``; what can be shown now."""
-        last = self._last.get(rank, -1)
-        same = self._same.get((stream, text))
-        if same is None:
-            same = self._same[(stream, text)] = _Same()
-        i = max(same.cursor.get(rank, 0), same.head)
-        while i < len(same.groups) and same.groups[i].seq <= last:
-            i += 1  # a group this rank passed: it can never join it
-            self.steps += 1
+        key = (stream, text)
+        line = _Line(key, now, rank)
+        queue = self._queues.get(rank)
+        if queue is None:
+            queue = self._queues[rank] = deque()
+            self._counts[rank] = {}
+        queue.append(line)
+        self._order.append(line)
+        self._waiting += 1
+        counts = self._counts[rank]
+        if not counts.get(key):
+            self._holders[key] = self._holders.get(key, 0) + 1
+        counts[key] = counts.get(key, 0) + 1
+        if len(queue) == 1:
+            self._heads.setdefault(key, set()).add(rank)
+            if rank in self._expected:
+                self._idle -= 1
+        self._check(key)
         self.steps += 1
-        was_empty = not self._queue
-        if i < len(same.groups):
-            group = same.groups[i]
-        else:
-            group = _Group(self._seq, stream, text, now)
-            self._seq += 1
-            same.groups.append(group)
-            self._queue.append(group)
-        group.ranks.append(rank)
-        same.cursor[rank] = i + 1
-        self._last[rank] = group.seq
-        if was_empty:
-            self._lagging = self._count_lagging()
-        elif rank in self._expected and last < self._queue[0].seq <= group.seq:
-            self._lagging -= 1  # this rank joined or passed the oldest group
         return self._release(now)
 
     def end(self, rank: int, now: float) -> list[Shown]:
         """Rank ``rank`` prints nothing more (its stream ended, or it is hidden)."""
         if rank in self._expected:
             self._expected.discard(rank)
-            if self._queue:
-                self._lagging = self._count_lagging()
+            if not self._queues.get(rank):
+                self._idle -= 1
         return self._release(now)
 
     def due(self, now: float) -> list[Shown]:
-        """The held lines whose time is up (call it periodically)."""
+        """The waiting lines whose time is up (call it periodically)."""
         return self._release(now)
 
     def through(self, rank: int) -> list[Shown]:
-        """Everything up to rank ``rank``'s latest held line, shown now: what it shows next
-        outside of this collapser (a piece of a long line, a progress bar) must come after."""
-        last = self._last.get(rank, -1)
+        """Every line of rank ``rank`` still waiting, shown now: what it shows next outside of
+        this collapser (a piece of a long line, a progress bar) must come after them."""
         out = []
-        while self._queue and self._queue[0].seq <= last:
-            out.append(self._pop())
+        queue = self._queues.get(rank)
+        while queue:
+            out.append(self._show(queue[0].key))
         return out
 
     def flush(self) -> list[Shown]:
-        """The job ended: every held line, as it is."""
+        """The job ended: every waiting line, as it is."""
         out = []
-        while self._queue:
-            out.append(self._pop())
+        while self._waiting:
+            out.append(self._show(self._oldest().key))
         return out
 
     # ------------------------------------------------------------------------------------
     def _release(self, now: float) -> list[Shown]:
         out = []
-        while self._queue:
-            head = self._queue[0]
-            if self._lagging > 0 and now - head.born < self.hold and len(self._queue) <= self.limit:
-                break
-            out.append(self._pop())
+        while self._waiting:
+            oldest = self._oldest()
+            if now - oldest.born >= self.hold or self._waiting > self.limit:
+                out.append(self._show(oldest.key))
+            elif self._idle > 0 or now - oldest.born < self.settle:
+                break  # a rank with nothing waiting may still print any of these lines
+            elif self._ready:
+                key = self._first_ready(now)
+                if key is None:
+                    break
+                out.append(self._show(key))
+            else:  # every head is waited for by another rank (A then B here, B then A there)
+                out.append(self._show(oldest.key))
         return out
 
-    def _pop(self) -> Shown:
-        group = self._queue.popleft()
-        key = (group.stream, group.text)
-        same = self._same[key]
-        same.head += 1
-        if same.head == len(same.groups):
-            del self._same[key]  # nothing of this text is held: its cursors go too
-        else:
-            same.compact()
-        if self._queue:
-            self._lagging = self._count_lagging()
-        return Shown(group.stream, tuple(sorted(group.ranks)), group.text)
+    def _oldest(self) -> _Line:
+        while self._order[0].done:
+            self._order.popleft()  # shown out of arrival order earlier
+        return self._order[0]
 
-    def _count_lagging(self) -> int:
-        """Expected ranks that neither joined nor passed the oldest group: one pass over the
-        ranks, once per group that becomes the oldest."""
-        head = self._queue[0]
-        self.steps += len(self._expected)
-        # A rank whose latest line is in a later group passed it; in this group, joined it.
-        return sum(1 for r in self._expected if self._last.get(r, -1) < head.seq)
+    def _first_ready(self, now: float) -> tuple[str, str] | None:
+        """The decided head line to show next, if one settled: the oldest, and among lines that
+        came within ``settle`` of it (the same moment, as far as pipes tell) the lowest rank's,
+        so that ranks printing at once show in rank order."""
+        found: list[tuple[float, int, tuple[str, str]]] = []
+        for key in self._ready:
+            heads = self._heads[key]
+            self.steps += len(heads)
+            born = max(self._queues[r][0].born for r in heads)
+            if now - born >= self.settle:
+                found.append((min(self._queues[r][0].born for r in heads), min(heads), key))
+        if not found:
+            return None
+        oldest = min(born for born, _, _ in found)
+        return min((rank, key) for born, rank, key in found if born <= oldest + self.settle)[1]
+
+    def _check(self, key: tuple[str, str]) -> None:
+        heads = self._heads.get(key)
+        if heads and len(heads) == self._holders.get(key, 0):
+            self._ready[key] = None
+        else:
+            self._ready.pop(key, None)
+
+    def _show(self, key: tuple[str, str]) -> Shown:
+        """The head line ``key``, for every rank whose head it is."""
+        ranks = sorted(self._heads[key])
+        for rank in ranks:
+            self._pop(rank)
+        return Shown(key[0], tuple(ranks), key[1])
+
+    def _pop(self, rank: int) -> None:
+        queue, counts = self._queues[rank], self._counts[rank]
+        line = queue.popleft()
+        line.done = True
+        self._waiting -= 1
+        self.steps += 1
+        key = line.key
+        self._heads[key].discard(rank)
+        if not self._heads[key]:
+            del self._heads[key]
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]
+            self._holders[key] -= 1
+            if not self._holders[key]:
+                del self._holders[key]
+        self._check(key)
+        if queue:
+            head = queue[0].key
+            self._heads.setdefault(head, set()).add(rank)
+            self._check(head)
+        elif rank in self._expected:
+            self._idle += 1

@@ -18,9 +18,9 @@ def test_tag_and_expand(ranks, text):
     assert expand(text) == sorted(ranks)
 
 
-def run(events, ranks=(0, 1, 2, 3), hold=1.0, end=None):
+def run(events, ranks=(0, 1, 2, 3), hold=1.0, end=None, settle=0.0):
     """Feed (rank, text, time) events; the lines shown as "tag text", then what a flush shows."""
-    c = Collapser(ranks, hold=hold)
+    c = Collapser(ranks, hold=hold, settle=settle)
     out: list[Shown] = []
     for rank, text, now in events:
         out += c.due(now)
@@ -36,20 +36,36 @@ def test_every_rank_printing_a_line_shows_it_once_at_once():
     assert shown == ["0-3 epoch done"] and left == []
 
 
-def test_distinct_lines_stay_per_rank_and_show_when_decided():
-    events = [(0, "loss 0.31", 0.0), (1, "loss 0.29", 0.0), (2, "loss 0.30", 0.0), (3, "loss 0.28", 0.0)]
+def test_distinct_lines_stay_per_rank_and_show_in_rank_order_once_decided():
+    events = [(2, "loss 0.30", 0.0), (0, "loss 0.31", 0.0), (3, "loss 0.28", 0.0)]
     shown, left = run(events)
-    # rank 0's line is decided once every other rank printed something else; the last three
-    # wait for rank 0's next line (it could still print "loss 0.29").
-    assert shown == ["0 loss 0.31"] and left == ["1 loss 0.29", "2 loss 0.30", "3 loss 0.28"]
-    shown, _ = run(events + [(r, "next", 0.1) for r in range(4)])
+    assert shown == []  # rank 1 may still print "loss 0.30": wait for it
+    events.append((1, "loss 0.29", 0.0))
+    shown, left = run(events)
+    # rank 0's line goes first; the others wait for rank 0's next line (it might be the same).
+    assert shown == ["0 loss 0.31"] and left == ["2 loss 0.30", "3 loss 0.28", "1 loss 0.29"]
+    shown, left = run(events + [(r, "next", 0.1) for r in range(4)])
     assert shown == ["0 loss 0.31", "1 loss 0.29", "2 loss 0.30", "3 loss 0.28", "0-3 next"]
 
 
-def test_a_line_some_ranks_print_shows_with_theirs_after_the_hold():
+def test_a_line_some_ranks_print_shows_with_their_tags():
     events = [(1, "odd", 0.0), (3, "odd", 0.1), (0, "even", 0.2), (2, "even", 0.3)]
-    shown, left = run(events, hold=1.0, end=2.0)
-    assert shown == ["1,3 odd", "0,2 even"] and left == []
+    assert run(events, hold=1.0) == (["1,3 odd"], ["0,2 even"])
+    assert run(events, hold=1.0, end=1.2) == (["1,3 odd", "0,2 even"], [])
+
+
+def test_the_last_line_of_some_ranks_waits_for_the_others_until_the_hold():
+    events = [(r, "done", 0.0) for r in range(4)] + [(1, "odd", 0.1), (3, "odd", 0.2)]
+    assert run(events, hold=1.0, end=1.0) == (["0-3 done"], ["1,3 odd"])
+    assert run(events, hold=1.0, end=1.1) == (["0-3 done", "1,3 odd"], [])
+
+
+def test_a_rank_whose_earlier_line_came_late_still_collapses():
+    """Pipes are read in any order: rank 0's next line may come before rank 1's previous
+    one.  Only each rank's first waiting line is shown, so rank 1's "odd" goes first."""
+    events = [(0, "epoch 1", 0.0), (2, "epoch 1", 0.0), (1, "odd 0", 0.0), (3, "odd 0", 0.0),
+              (1, "epoch 1", 0.05), (3, "epoch 1", 0.05)]
+    assert run(events, settle=0.1, end=0.2) == (["1,3 odd 0", "0-3 epoch 1"], [])
 
 
 def test_the_hold_is_bounded_in_time():
@@ -71,25 +87,25 @@ def test_one_ranks_lines_keep_their_order():
 
 
 def test_stdout_and_stderr_keep_one_ranks_order():
-    c = Collapser([0, 1], hold=1.0)
+    c = Collapser([0, 1], hold=1.0, settle=0)
     got = c.add(0, "stdout", "out\n", 0) + c.add(0, "stderr", "err\n", 0)
     got += c.add(1, "stdout", "out\n", 0) + c.add(1, "stderr", "err\n", 0)
     assert got == [Shown("stdout", (0, 1), "out\n"), Shown("stderr", (0, 1), "err\n")]
 
 
 def test_a_rank_that_ended_is_not_waited_for():
-    c = Collapser([0, 1], hold=10.0)
+    c = Collapser([0, 1], hold=10.0, settle=0)
     assert c.add(0, "stdout", "x\n", 0) == []
     assert c.end(1, 0) == [Shown("stdout", (0,), "x\n")]
 
 
 def test_through_shows_a_ranks_held_lines_before_what_it_shows_elsewhere():
-    c = Collapser([0, 1, 2], hold=10.0)
+    c = Collapser([0, 1, 2], hold=10.0, settle=0)
     c.add(0, "stdout", "a\n", 0)
     c.add(1, "stdout", "b\n", 0)
     c.add(0, "stdout", "c\n", 0)
-    assert [s.text for s in c.through(1)] == ["a\n", "b\n"]  # rank 1's "b" and all before it
-    assert [s.text for s in c.flush()] == ["c\n"]
+    assert [s.text for s in c.through(1)] == ["b\n"]  # rank 1's lines, no other rank's
+    assert [s.text for s in c.flush()] == ["a\n", "c\n"]
 
 
 def test_identical_lines_cost_linear_work_and_bounded_memory():
@@ -97,7 +113,7 @@ def test_identical_lines_cost_linear_work_and_bounded_memory():
     per line stays the same however many lines, and what is held stays under the limit."""
     per_line = []
     for n in (1_000, 10_000):
-        c = Collapser(range(32), hold=1.0, limit=4096)
+        c = Collapser(range(32), hold=1.0, settle=0)
         shown, most_held = 0, 0
         for chunk in range(0, n, 500):  # each rank's next 500 lines, one rank after the other
             for rank in range(32):
@@ -106,13 +122,13 @@ def test_identical_lines_cost_linear_work_and_bounded_memory():
                     most_held = max(most_held, c.held)
         shown += len(c.flush())
         assert shown == n  # every line collapsed into one for the 32 ranks
-        assert most_held <= 500
+        assert most_held <= 32 * 500
         per_line.append(c.steps / (32 * n))
-    assert per_line[1] <= per_line[0] * 1.1 and per_line[1] < 3, per_line
+    assert per_line[1] <= per_line[0] * 1.1 and per_line[1] < 5, per_line
 
 
 def test_a_rank_far_ahead_is_bounded_by_the_limit():
-    c = Collapser(range(2), hold=100.0, limit=100)
+    c = Collapser(range(2), hold=100.0, limit=100, settle=0)
     shown = sum(len(c.add(0, "stdout", f"{i}\n", 0.0)) for i in range(1000))
     assert c.held == 100 and shown == 900
 
@@ -120,7 +136,7 @@ def test_a_rank_far_ahead_is_bounded_by_the_limit():
 def test_distinct_lines_cost_linear_work():
     per_line = []
     for n in (500, 5_000):
-        c = Collapser(range(8), hold=1.0)
+        c = Collapser(range(8), hold=1.0, settle=0)
         for i in range(n):
             for rank in range(8):
                 c.add(rank, "stdout", f"rank {rank} step {i}\n", 0.0)
@@ -199,7 +215,9 @@ def test_router_show_filter_collapses_only_the_shown_ranks():
     sink, clock, r = router(["rank0", "rank1", "rank2"], show={"rank0", "rank2"})
     for i in range(3):
         r.feed(f"rank{i}", "stdout", b"same\n")
-    assert sink.text() == "[rank0,2] same\n"  # shown at once: both shown ranks printed it
+    clock.now = 0.1
+    r.tick()
+    assert sink.text() == "[rank0,2] same\n"  # settled: both shown ranks printed it
     r.replay_hidden("--- {key} ---")
     assert sink.text("stderr") == "--- rank1 ---\n" and sink.text().endswith("[rank1] same\n")
 
