@@ -77,7 +77,7 @@ def bar_shape(text: str) -> tuple[str, ...]:
     return tuple(_WORD.findall(_RATE.sub("", text)))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Line:
     key: tuple[str, str]  # (stream, text)
     born: float
@@ -109,25 +109,35 @@ class Collapser:
 
     def add(self, rank: int, stream: str, text: str, now: float) -> list[Shown]:
         """Rank ``rank`` printed the line ``text``; what can be shown now."""
-        key = (stream, text)
-        line = _Line(key, now, rank)
+        return self.extend(rank, stream, [text], now)
+
+    def extend(self, rank: int, stream: str, texts: list[str], now: float) -> list[Shown]:
+        """Rank ``rank`` printed the lines ``texts`` (as one read brings them); what can be
+        shown now.  The common case (a rank repeating a line it has waiting) touches no set."""
         queue = self._queues.get(rank)
         if queue is None:
             queue = self._queues[rank] = deque()
             self._counts[rank] = {}
-        queue.append(line)
-        self._order.append(line)
-        self._waiting += 1
-        counts = self._counts[rank]
-        if not counts.get(key):
-            self._holders[key] = self._holders.get(key, 0) + 1
-        counts[key] = counts.get(key, 0) + 1
-        if len(queue) == 1:
-            self._heads.setdefault(key, set()).add(rank)
-            if rank in self._expected:
-                self._idle -= 1
-        self._check(key)
-        self.steps += 1
+        counts, order = self._counts[rank], self._order
+        for text in texts:
+            key = (stream, text)
+            line = _Line(key, now, rank)
+            queue.append(line)
+            order.append(line)
+            held = counts.get(key, 0)
+            counts[key] = held + 1
+            if len(queue) == 1:  # its head: a rank with nothing waiting now has this
+                self._heads.setdefault(key, set()).add(rank)
+                if rank in self._expected:
+                    self._idle -= 1
+                if not held:
+                    self._holders[key] = self._holders.get(key, 0) + 1
+                self._check(key)
+            elif not held:  # a line it holds behind its head: others must not show it first
+                self._holders[key] = self._holders.get(key, 0) + 1
+                self._check(key)
+        self._waiting += len(texts)
+        self.steps += len(texts)
         return self._release(now)
 
     def end(self, rank: int, now: float) -> list[Shown]:
@@ -152,10 +162,14 @@ class Collapser:
         return out
 
     def flush(self) -> list[Shown]:
-        """The job ended: every waiting line, as it is."""
+        """The job ended: every waiting line.  No rank prints more, so every head line no other
+        rank holds later is decided now (output that came all at once still collapses)."""
+        self._expected.clear()
+        self._idle = 0
         out = []
         while self._waiting:
-            out.append(self._show(self._oldest().key))
+            key = self._first_ready(float("inf")) if self._ready else None
+            out.append(self._show(key if key is not None else self._oldest().key))
         return out
 
     # ------------------------------------------------------------------------------------
@@ -218,6 +232,9 @@ class Collapser:
         self._waiting -= 1
         self.steps += 1
         key = line.key
+        if queue and queue[0].key == key:  # the same line again: still its head, still held
+            counts[key] -= 1
+            return
         self._heads[key].discard(rank)
         if not self._heads[key]:
             del self._heads[key]

@@ -217,14 +217,17 @@ class OutputRouter:
             return
         assert self._collapse is not None
         out: list[tuple[str, str]] = []
-        now = self._clock()
+        now, lines = self._clock(), list[str]()
         for piece in pieces:
             if (key, stream) in self._mid_line or not piece.endswith("\n"):
                 # A piece of a long line is shown as it comes, after this rank's held lines.
+                out += self._texts(self._collapse.extend(rank, stream, lines, now))
                 out += self._texts(self._collapse.through(rank))
                 out.append((stream, self._tagged(key, stream, [piece], self._mid_line)))
+                lines = []
             else:
-                out += self._texts(self._collapse.add(rank, stream, piece, now))
+                lines.append(piece)
+        out += self._texts(self._collapse.extend(rank, stream, lines, now))
         self._write(out)
 
     def _texts(self, shown: list[collapse.Shown]) -> list[tuple[str, str]]:

@@ -43,7 +43,7 @@ def test_distinct_lines_stay_per_rank_and_show_in_rank_order_once_decided():
     events.append((1, "loss 0.29", 0.0))
     shown, left = run(events)
     # rank 0's line goes first; the others wait for rank 0's next line (it might be the same).
-    assert shown == ["0 loss 0.31"] and left == ["2 loss 0.30", "3 loss 0.28", "1 loss 0.29"]
+    assert shown == ["0 loss 0.31"] and left == ["1 loss 0.29", "2 loss 0.30", "3 loss 0.28"]
     shown, left = run(events + [(r, "next", 0.1) for r in range(4)])
     assert shown == ["0 loss 0.31", "1 loss 0.29", "2 loss 0.30", "3 loss 0.28", "0-3 next"]
 
