@@ -14,8 +14,9 @@ The head line T of some ranks is shown
 * or ``hold`` seconds after the oldest waiting line came (a rank that prints nothing else, a
   rank far behind), or when more than ``limit`` lines wait (memory and latency stay bounded).
 
-When several head lines are decided, the one of the lowest rank goes first: ranks printing
-distinct lines at the same moment show in rank order.  The cost is linear in the lines: a line
+When several head lines are decided, the oldest goes first, and of those that came at the
+same moment (within ``settle``) the lowest rank's: ranks printing distinct lines together show
+in rank order.  The cost is linear in the lines: a line
 costs a few dictionary updates when it comes and when it is shown, and picking what to show
 next looks at the decided head lines only (at most one per rank).  :attr:`Collapser.steps`
 counts that work, so that a test can check it without a clock.

@@ -16,6 +16,9 @@ the magics layer).
   many pieces it comes in; another process's line in between ends it visually) when there is
   more than one, shows only the chosen ranks live
   (keeping the others' recent pieces to replay if the job fails), and throttles progress updates.
+  The ranks' whole lines go through :mod:`taas.io.collapse`: a line several ranks print
+  identically shows once, tagged with those ranks (``[rank0-31] epoch done``), and another
+  rank's progress bar that looks like the lead rank's merges into it.
 """
 
 from __future__ import annotations
