@@ -11,8 +11,10 @@ The head line T of some ranks is shown
 * once it is decided and ``settle`` seconds old: every other expected rank has a line
   waiting, none of them has T later in its queue (then that rank's earlier lines go first,
   and it joins T after them);
-* or ``hold`` seconds after the oldest waiting line came (a rank that prints nothing else, a
-  rank far behind), or when more than ``limit`` lines wait (memory and latency stay bounded).
+* or ``hold`` seconds after the oldest waiting line came, when the ranks it waits for printed
+  nothing in the last ``hold`` seconds (a rank that prints nothing else); ``max_hold`` seconds
+  after, when they print but are far behind (ranks sharing too few cores); or when more than
+  ``limit`` lines wait (memory and latency stay bounded).
 
 When several head lines are decided, the oldest goes first, and of those that came at the
 same moment (within ``settle``) the lowest rank's: ranks printing distinct lines together show
@@ -29,11 +31,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-HOLD = 0.3  # seconds a line waits at most for the other ranks' identical line
+HOLD = 0.3  # seconds a line waits for the other ranks' identical line, if they are silent
+MAX_HOLD = 2.0  # seconds it waits at most, for ranks that print but are behind
 # Seconds a decided line still waits: the ranks' pipes are read one after the other, so a
 # rank's earlier line can come a moment after another rank's later one; this lets it come.
 SETTLE = 0.1
-LIMIT = 32768  # lines waiting at most; past it the oldest is shown as it is
+LIMIT = 100_000  # lines waiting at most (some 20 MB); past it the oldest is shown as it is
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,10 @@ class Collapser:
     """Whole lines of ``ranks`` -> :class:`Shown` lines (see the module's docstring)."""
 
     def __init__(self, ranks: Iterable[int], hold: float = HOLD, limit: int = LIMIT,
-                 settle: float = SETTLE) -> None:
+                 settle: float = SETTLE, max_hold: float = MAX_HOLD) -> None:
         self.hold, self.limit, self.settle = hold, limit, min(settle, hold)
+        self.max_hold = max(hold, max_hold)
+        self._arrived: dict[int, float] = {}  # rank -> when its latest line came
         self._expected = set(ranks)  # ranks that may still print: decisions wait for them
         self._queues: dict[int, deque[_Line]] = {}
         self._counts: dict[int, dict[tuple[str, str], int]] = {}  # rank -> key -> lines waiting
@@ -139,6 +144,7 @@ class Collapser:
                 self._check(key)
         self._waiting += len(texts)
         self.steps += len(texts)
+        self._arrived[rank] = now
         return self._release(now)
 
     def end(self, rank: int, now: float) -> list[Shown]:
@@ -178,7 +184,9 @@ class Collapser:
         out = []
         while self._waiting:
             oldest = self._oldest()
-            if now - oldest.born >= self.hold or self._waiting > self.limit:
+            age = now - oldest.born
+            if (self._waiting > self.limit or age >= self.max_hold
+                    or age >= self.hold and not self._catching_up(now)):
                 out.append(self._show(oldest.key))
             elif self._idle > 0 or now - oldest.born < self.settle:
                 break  # a rank with nothing waiting may still print any of these lines
@@ -190,6 +198,13 @@ class Collapser:
             else:  # every head is waited for by another rank (A then B here, B then A there)
                 out.append(self._show(oldest.key))
         return out
+
+    def _catching_up(self, now: float) -> bool:
+        """Whether a rank the waiting lines wait for (one with none waiting) printed lately:
+        it is behind, not silent.  One pass over the ranks, only once a line waited ``hold``."""
+        self.steps += len(self._expected)
+        return any(now - self._arrived[r] < self.hold for r in self._expected
+                   if r in self._arrived and not self._queues.get(r))
 
     def _oldest(self) -> _Line:
         while self._order[0].done:

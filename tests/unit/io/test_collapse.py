@@ -75,6 +75,23 @@ def test_the_hold_is_bounded_in_time():
     assert shown == ["0 only rank 0"]
 
 
+def test_a_rank_that_prints_but_is_behind_is_waited_for_up_to_max_hold():
+    c = Collapser([0, 1], hold=0.3, max_hold=2.0, settle=0)
+    c.extend(0, "stdout", ["a\n", "b\n"], 0.0)
+    assert c.add(1, "stdout", "a\n", 0.2) == [Shown("stdout", (0, 1), "a\n")]
+    assert c.due(0.45) == []  # rank 1 printed 0.25 s ago: behind, not silent
+    assert c.add(1, "stdout", "b\n", 0.5) == [Shown("stdout", (0, 1), "b\n")]
+    c.extend(0, "stdout", ["c\n"], 0.5)
+    assert c.due(0.85) == [Shown("stdout", (0,), "c\n")]  # rank 1 silent for 0.35 s
+    c = Collapser([0, 1], hold=0.3, max_hold=1.0, settle=0)
+    c.extend(0, "stdout", [f"{i}\n" for i in range(10)], 0.0)
+    for i in range(3):
+        assert c.add(1, "stdout", f"{i}\n", 0.25 * (i + 1)) == [Shown("stdout", (0, 1), f"{i}\n")]
+    shown = c.add(1, "stdout", "3\n", 1.0)  # rank 0's lines waited max_hold: all go
+    assert shown[0] == Shown("stdout", (0, 1), "3\n") and shown[-1] == Shown("stdout", (0,), "9\n")
+    assert c.held == 0
+
+
 def test_one_ranks_lines_keep_their_order():
     # rank 1 prints b before a: it cannot join rank 0's "a" (its "b" would come after it).
     events = [(0, "a", 0), (0, "b", 0), (1, "b", 0), (1, "a", 0)]
