@@ -12,9 +12,10 @@ The head line T of some ranks is shown
   waiting, none of them has T later in its queue (then that rank's earlier lines go first,
   and it joins T after them);
 * or ``hold`` seconds after the oldest waiting line came, when the ranks it waits for printed
-  nothing in the last ``hold`` seconds (a rank that prints nothing else); ``max_hold`` seconds
-  after, when they print but are far behind (ranks sharing too few cores); or when more than
-  ``limit`` lines wait (memory and latency stay bounded).
+  nothing lately (see ``_catching_up``: a rank that prints nothing else); ``max_hold`` seconds
+  after, when they print but are far behind (ranks sharing too few
+  cores, a kernel that takes long to read them all); or when more than
+  ``limit`` lines per rank wait (memory and latency stay bounded).
 
 When several head lines are decided, the oldest goes first, and of those that came at the
 same moment (within ``settle``) the lowest rank's: ranks printing distinct lines together show
@@ -32,11 +33,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 HOLD = 0.3  # seconds a line waits for the other ranks' identical line, if they are silent
-MAX_HOLD = 2.0  # seconds it waits at most, for ranks that print but are behind
+MAX_HOLD = 5.0  # seconds it waits at most, for ranks that print but are behind
 # Seconds a decided line still waits: the ranks' pipes are read one after the other, so a
 # rank's earlier line can come a moment after another rank's later one; this lets it come.
 SETTLE = 0.1
-LIMIT = 100_000  # lines waiting at most (some 20 MB); past it the oldest is shown as it is
+# Lines waiting per rank at most; past it the oldest is shown as it is.  A read brings up to
+# 64 kB of a rank's output (4,000 short lines): this holds two reads of every rank.
+LIMIT = 8192
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,12 @@ class Collapser:
     def __init__(self, ranks: Iterable[int], hold: float = HOLD, limit: int = LIMIT,
                  settle: float = SETTLE, max_hold: float = MAX_HOLD) -> None:
         self.hold, self.limit, self.settle = hold, limit, min(settle, hold)
-        self.max_hold = max(hold, max_hold)
-        self._arrived: dict[int, float] = {}  # rank -> when its latest line came
+        self.max_hold = max(hold, max_hold) if hold > 0 else 0.0  # hold 0: nothing waits
+        # rank -> the round (calls of due) and the time its latest line came in
+        self._arrived: dict[int, tuple[int, float]] = {}
+        self._round = 0
         self._expected = set(ranks)  # ranks that may still print: decisions wait for them
+        self._cap = limit * max(1, len(self._expected))  # lines waiting at most
         self._queues: dict[int, deque[_Line]] = {}
         self._counts: dict[int, dict[tuple[str, str], int]] = {}  # rank -> key -> lines waiting
         self._holders: dict[tuple[str, str], int] = {}  # key -> ranks with it waiting
@@ -144,7 +150,7 @@ class Collapser:
                 self._check(key)
         self._waiting += len(texts)
         self.steps += len(texts)
-        self._arrived[rank] = now
+        self._arrived[rank] = (self._round, now)
         return self._release(now)
 
     def end(self, rank: int, now: float) -> list[Shown]:
@@ -156,8 +162,11 @@ class Collapser:
         return self._release(now)
 
     def due(self, now: float) -> list[Shown]:
-        """The waiting lines whose time is up (call it periodically)."""
-        return self._release(now)
+        """The waiting lines whose time is up.  Call it after each round of reads (every
+        process's output that was ready): a rank that printed nothing since the round before
+        is silent, not merely unread yet."""
+        self._round += 1
+        return self._release(now, timed=True)
 
     def through(self, rank: int) -> list[Shown]:
         """Every line of rank ``rank`` still waiting, shown now: what it shows next outside of
@@ -180,13 +189,13 @@ class Collapser:
         return out
 
     # ------------------------------------------------------------------------------------
-    def _release(self, now: float) -> list[Shown]:
+    def _release(self, now: float, timed: bool = False) -> list[Shown]:
         out = []
         while self._waiting:
             oldest = self._oldest()
             age = now - oldest.born
-            if (self._waiting > self.limit or age >= self.max_hold
-                    or age >= self.hold and not self._catching_up(now)):
+            if (self._waiting > self._cap or age >= self.max_hold
+                    or timed and age >= self.hold and not self._catching_up(now)):
                 out.append(self._show(oldest.key))
             elif self._idle > 0 or now - oldest.born < self.settle:
                 break  # a rank with nothing waiting may still print any of these lines
@@ -201,10 +210,16 @@ class Collapser:
 
     def _catching_up(self, now: float) -> bool:
         """Whether a rank the waiting lines wait for (one with none waiting) printed lately:
-        it is behind, not silent.  One pass over the ranks, only once a line waited ``hold``."""
+        it is behind, not silent.  Lately: in this round of reads or the one before (a round
+        can take long when there is much to read), or within ``hold`` seconds (a rank can be
+        off its core for a while).  One pass over the ranks, only once a line waited ``hold``."""
         self.steps += len(self._expected)
-        return any(now - self._arrived[r] < self.hold for r in self._expected
-                   if r in self._arrived and not self._queues.get(r))
+        for r in self._expected:
+            if r in self._arrived and not self._queues.get(r):
+                round_, at = self._arrived[r]
+                if round_ >= self._round - 1 or now - at < self.hold:
+                    return True
+        return False
 
     def _oldest(self) -> _Line:
         while self._order[0].done:

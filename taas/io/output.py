@@ -193,7 +193,7 @@ class OutputRouter:
             if bar is None:
                 bar = self._progress[(key, stream)] = _Bar(born=self._clock())
             bar.dirty = True
-            self.tick()
+            self._bars_due(self._clock())
 
     def _emit(self, key: str, stream: str, pieces: list[str]) -> None:
         if not pieces:
@@ -323,10 +323,14 @@ class OutputRouter:
         return False
 
     def tick(self) -> None:
-        """Show held lines whose time is up and throttled progress updates that are due."""
+        """After each round of reads: show held lines whose time is up and throttled progress
+        updates that are due."""
         now = self._clock()
         if self._collapse is not None:
             self._write(self._texts(self._collapse.due(now)))
+        self._bars_due(now)
+
+    def _bars_due(self, now: float) -> None:
         for (key, stream), bar in list(self._progress.items()):
             if not bar.dirty or now - bar.at < self.progress_interval:
                 continue
