@@ -171,7 +171,8 @@ class OutputRouter:
         self._mid_line: set[tuple[str, str]] = set()  # a piece of a long line was shown
         ranks = [r for r in (names.rank_of(k) for k in keys if self.visible(k)) if r is not None]
         self._lead = min(ranks) if ranks else None
-        self._collapse = collapse.Collapser(ranks, hold) if tag else None
+        # One rank shown (--show 0): nothing to collapse, nothing to wait for.
+        self._collapse = collapse.Collapser(ranks, hold) if tag and len(ranks) > 1 else None
         self._lead_bars: dict[str, _LeadBar] = {}  # stream -> the lead rank's latest bar
 
     def _prefix(self, key: str) -> str:

@@ -281,3 +281,9 @@ def test_per_rank_reads_collapsed_output_back_as_each_rank_printed_it():
     assert sink.text() == "[rank0-3] done\n[rank1,3] odd\n"
     assert per_rank(sink.text()) == "[rank0] done\n[rank1] done\n[rank2] done\n[rank3] done\n[rank1] odd\n[rank3] odd\n"
     assert per_rank("plain\n[rank2] y") == "plain\n[rank2] y"
+
+
+def test_router_one_shown_rank_of_several_is_tagged_and_immediate():
+    sink, clock, r = router(["rank0", "rank1"], show={"rank0"})
+    r.feed("rank0", "stdout", b"now\n")
+    assert sink.text() == "[rank0] now\n"
