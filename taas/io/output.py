@@ -16,6 +16,9 @@ the magics layer).
   many pieces it comes in; another process's line in between ends it visually) when there is
   more than one, shows only the chosen ranks live
   (keeping the others' recent pieces to replay if the job fails), and throttles progress updates.
+  The ranks' whole lines go through :mod:`taas.io.collapse`: a line several ranks print
+  identically shows once, tagged with those ranks (``[rank0-31] epoch done``), and another
+  rank's progress bar that looks like the lead rank's merges into it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from __future__ import annotations
 import codecs
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from taas.io import collapse
+from taas.io import keys as names
 
 MAX_LINE = 1 << 20  # characters of one line kept before they are passed on as a piece
 
@@ -117,19 +125,55 @@ class Sink(Protocol):
         """Show ``text`` as the in-place progress line of ``key``; ``final``: it is done."""
 
 
+@dataclass(eq=False)
+class _Bar:
+    """One process's open progress line, as the router shows it."""
+
+    born: float  # when it began: another rank's bar waits a moment for rank 0's to match
+    text: str = ""  # the state shown last
+    at: float = 0.0  # when
+    dirty: bool = True  # it changed since
+    shown: bool = False  # it has a display of its own
+    merged: bool = False  # it matched the lead rank's bar and shows as part of it
+
+
+@dataclass(eq=False)
+class _LeadBar:
+    """The lead rank's latest progress line on a stream and the ranks whose bars merged in."""
+
+    shape: tuple
+    ranks: set = field(default_factory=set)
+    open: bool = True
+
+
 class OutputRouter:
+    """Routes every process's output to ``sink`` (see the module's docstring).
+
+    With ``tag`` (more than one process), the ranks' whole lines go through a
+    :class:`~taas.io.collapse.Collapser`: a line several ranks print identically shows once,
+    tagged with those ranks; held lines are shown by :meth:`tick` (called periodically, with
+    the time from ``clock``) and by :meth:`close`.  Another rank's progress bar that matches the
+    lead rank's (the lowest rank shown) merges into it."""
+
     def __init__(self, sink: Sink, keys: list[str], show: set[str] | None, tag: bool,
-                 keep: int = 200, progress_interval: float = 0.1):
+                 keep: int = 200, progress_interval: float = 0.1, hold: float = collapse.HOLD,
+                 clock: Callable[[], float] = time.monotonic):
         self.sink = sink
         self.show = show  # None: all
         self.tag = tag
         self.progress_interval = progress_interval
+        self.hold = hold
+        self._clock = clock
         self._splitters: dict[tuple[str, str], LineSplitter] = {}
         self._keep = keep
         self._held: dict[str, deque] = {k: deque(maxlen=keep) for k in keys}
-        # (key, stream) -> [last text shown, shown_at, dirty]
-        self._progress: dict[tuple[str, str], list] = {}
+        self._progress: dict[tuple[str, str], _Bar] = {}
         self._mid_line: set[tuple[str, str]] = set()  # a piece of a long line was shown
+        ranks = [r for r in (names.rank_of(k) for k in keys if self.visible(k)) if r is not None]
+        self._lead = min(ranks) if ranks else None
+        # One rank shown (--show 0): nothing to collapse, nothing to wait for.
+        self._collapse = collapse.Collapser(ranks, hold) if tag and len(ranks) > 1 else None
+        self._lead_bars: dict[str, _LeadBar] = {}  # stream -> the lead rank's latest bar
 
     def _prefix(self, key: str) -> str:
         return f"[{key}] " if self.tag else ""
@@ -137,14 +181,20 @@ class OutputRouter:
     def visible(self, key: str) -> bool:
         return self.show is None or key in self.show
 
+    def _rank(self, key: str) -> int | None:
+        """The rank whose lines collapse with the others', None for a line shown as it is."""
+        return names.rank_of(key) if self._collapse is not None else None
+
     def feed(self, key: str, stream: str, data: bytes) -> None:
         splitter = self._splitters.setdefault((key, stream), LineSplitter())
         pieces, progress = splitter.feed(data)
         self._emit(key, stream, pieces)
         if progress and self.visible(key):
-            state = self._progress.setdefault((key, stream), ["", 0.0, False])
-            state[2] = True
-            self.tick()
+            bar = self._progress.get((key, stream))
+            if bar is None:
+                bar = self._progress[(key, stream)] = _Bar(born=self._clock())
+            bar.dirty = True
+            self._bars_due(self._clock())
 
     def _emit(self, key: str, stream: str, pieces: list[str]) -> None:
         if not pieces:
@@ -152,16 +202,59 @@ class OutputRouter:
         if not self.visible(key):
             self._held.setdefault(key, deque(maxlen=self._keep)).extend((stream, p) for p in pieces)
             return
-        state = self._progress.pop((key, stream), None)
-        if state is not None:  # the progress line is finished: it stays where it was shown
+        bar = self._progress.pop((key, stream), None)
+        if bar is not None:  # the progress line is finished: it stays where it was shown
             first = pieces[0]
             if first.endswith("\n"):
-                self.sink.progress(key, stream, self._prefix(key) + first[:-1], final=True)
                 pieces = pieces[1:]
+                if self._bar_end(key, stream, bar, first[:-1]):
+                    pieces = [first] + pieces  # a bar never shown ends as a line
             else:  # it grew too long to be a progress line: it goes on as text
-                self.sink.progress(key, stream, self._prefix(key) + state[0], final=True)
+                self._bar_end(key, stream, bar, bar.text)
         if pieces:
+            self._lines(key, stream, pieces)
+
+    def _lines(self, key: str, stream: str, pieces: list[str]) -> None:
+        rank = self._rank(key)
+        if rank is None:
             self.sink.write(stream, self._tagged(key, stream, pieces, self._mid_line))
+            return
+        assert self._collapse is not None
+        out: list[tuple[str, str]] = []
+        now, lines = self._clock(), list[str]()
+        for piece in pieces:
+            if (key, stream) in self._mid_line or not piece.endswith("\n"):
+                # A piece of a long line is shown as it comes, after this rank's held lines.
+                out += self._texts(self._collapse.extend(rank, stream, lines, now))
+                out += self._texts(self._collapse.through(rank))
+                out.append((stream, self._tagged(key, stream, [piece], self._mid_line)))
+                lines = []
+            else:
+                lines.append(piece)
+        out += self._texts(self._collapse.extend(rank, stream, lines, now))
+        self._write(out)
+
+    def _texts(self, shown: list[collapse.Shown]) -> list[tuple[str, str]]:
+        """Collapsed lines as (stream, text), each tagged with its ranks.  A long line left
+        open on that stream is ended first, as :meth:`_tagged` does."""
+        out = []
+        for line in shown:
+            open_lines = [m for m in self._mid_line if m[1] == line.stream]
+            if open_lines:
+                self._mid_line.difference_update(open_lines)
+            out.append((line.stream, "\n" * bool(open_lines)
+                        + f"[rank{collapse.tag(line.ranks)}] " + line.text))
+        return out
+
+    def _write(self, out: list[tuple[str, str]]) -> None:
+        """One write per run of lines on the same stream (the notebook gets few, large writes)."""
+        i = 0
+        while i < len(out):
+            j = i
+            while j < len(out) and out[j][0] == out[i][0]:
+                j += 1
+            self.sink.write(out[i][0], "".join(text for _, text in out[i:j]))
+            i = j
 
     def _tagged(self, key: str, stream: str, pieces, mid_line: set) -> str:
         """``pieces`` as text, the process's tag at the start of each line (not of a piece that
@@ -183,24 +276,88 @@ class OutputRouter:
                 mid_line.add((key, stream))
         return "".join(out)
 
+    # -- progress lines ---------------------------------------------------------------------
+    def _bar_prefix(self, key: str, stream: str) -> str:
+        lead = self._lead_bars.get(stream)
+        rank = self._rank(key)
+        if rank is not None and rank == self._lead and lead is not None:
+            return f"[rank{collapse.tag(lead.ranks)}] "
+        return self._prefix(key)
+
+    def _merges(self, key: str, stream: str, bar: _Bar, text: str) -> bool:
+        """Whether ``key``'s bar (another rank than the lead) is shown as part of the lead's:
+        decided before it is shown, when it looks like the lead's latest bar."""
+        if bar.merged or bar.shown:
+            return bar.merged
+        lead = self._lead_bars.get(stream)
+        if lead is None or lead.shape != collapse.bar_shape(text):
+            return False
+        bar.merged = True
+        rank = self._rank(key)
+        lead.ranks.add(rank)
+        lead_bar = self._progress.get((names.rank_key(self._lead), stream)) if self._lead is not None else None
+        if lead_bar is not None and lead.open:
+            lead_bar.dirty = True  # its tag now names one more rank
+        return True
+
+    def _show_bar(self, key: str, stream: str, bar: _Bar, text: str, final: bool) -> None:
+        rank = self._rank(key)
+        if rank is not None and not bar.shown and self._collapse is not None:
+            self._write(self._texts(self._collapse.through(rank)))
+        if rank is not None and rank == self._lead:
+            lead = self._lead_bars.get(stream)
+            if lead is None or not bar.shown:  # a new bar of the lead rank
+                lead = self._lead_bars[stream] = _LeadBar(collapse.bar_shape(text), {rank})
+            lead.shape, lead.open = collapse.bar_shape(text), not final
+        bar.text, bar.shown = text, True
+        self.sink.progress(key, stream, self._bar_prefix(key, stream) + text, final=final)
+
+    def _bar_end(self, key: str, stream: str, bar: _Bar, text: str) -> bool:
+        """``key``'s progress line ended as ``text``.  True: it was never shown (another rank's
+        bar, still waiting to match the lead's) and does not match: it goes on as a line."""
+        rank = self._rank(key)
+        if rank is not None and rank != self._lead and self._merges(key, stream, bar, text):
+            return False
+        if rank is not None and rank != self._lead and not bar.shown:
+            return True
+        self._show_bar(key, stream, bar, text, final=True)
+        return False
+
     def tick(self) -> None:
-        """Show throttled progress updates that are due."""
-        now = time.monotonic()
-        for (key, stream), state in self._progress.items():
-            if state[2] and now - state[1] >= self.progress_interval:
-                state[0] = self._splitters[(key, stream)].progress_text()
-                self.sink.progress(key, stream, self._prefix(key) + state[0], final=False)
-                state[1], state[2] = now, False
+        """After each round of reads: show held lines whose time is up and throttled progress
+        updates that are due."""
+        now = self._clock()
+        if self._collapse is not None:
+            self._write(self._texts(self._collapse.due(now)))
+        self._bars_due(now)
+
+    def _bars_due(self, now: float) -> None:
+        for (key, stream), bar in list(self._progress.items()):
+            if not bar.dirty or now - bar.at < self.progress_interval:
+                continue
+            text = self._splitters[(key, stream)].progress_text()
+            rank = self._rank(key)
+            if rank is not None and rank != self._lead:
+                if self._merges(key, stream, bar, text):
+                    bar.dirty = False
+                    continue
+                if not bar.shown and now - bar.born < self.hold:
+                    continue  # the lead's bar may yet come and match it
+            self._show_bar(key, stream, bar, text, final=False)
+            bar.at, bar.dirty = now, False
 
     def close(self) -> None:
         """The processes are gone: print partial last lines, settle progress lines."""
         for (key, stream), splitter in self._splitters.items():
             if (key, stream) in self._progress:
-                self._progress[(key, stream)][0] = splitter.progress_text()
+                self._progress[(key, stream)].text = splitter.progress_text()
             self._emit(key, stream, splitter.flush())
-        for (key, stream), state in list(self._progress.items()):
-            self.sink.progress(key, stream, self._prefix(key) + state[0], final=True)
+        for (key, stream), bar in list(self._progress.items()):
+            if self._bar_end(key, stream, bar, bar.text):
+                self._lines(key, stream, [bar.text + "\n"])
         self._progress.clear()
+        if self._collapse is not None:
+            self._write(self._texts(self._collapse.flush()))
 
     def replay_hidden(self, header: str) -> None:
         """After a failure: show what the hidden ranks said lately."""

@@ -13,6 +13,7 @@ from tests.support.cluster_helpers import (LOADER_CELL, LOADER_SETUP, agents, ag
                                           job_processes, placement_groups_left, relays, sleeping_job)
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
 from tests.support.kernel_driver import cell, cmdline, plain, wait_until_gone
+from tests.support.ranks import per_rank
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
@@ -86,7 +87,7 @@ def test_interrupt_stops_ranks_on_every_node_within_5s(kernel, ray_cluster):
     seen = {}
 
     def on_output(out):
-        if all(f"[rank{r}] up" in out.stdout for r in range(4)) and "at" not in seen:
+        if all(f"[rank{r}] up" in per_rank(out.stdout) for r in range(4)) and "at" not in seen:
             seen["at"] = time.monotonic()
             kernel.km.interrupt_kernel()
 

@@ -16,6 +16,7 @@ from tests.support.cluster_helpers import (LOADER_SETUP, agent_of, agents, conne
                                           named, placement_groups_left, relays)
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
 from tests.support.kernel_driver import cell, cmdline, plain, process_name, wait_for, wait_until_gone
+from tests.support.ranks import per_rank
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
@@ -47,7 +48,7 @@ def run_killing(kernel, ray_cluster, code: str, victim, timeout: float = 600.0):
     seen: dict = {}
 
     def on_output(out):
-        if "victim" not in seen and all(f"[rank{r}] up" in out.stdout for r in range(4)):
+        if "victim" not in seen and all(f"[rank{r}] up" in per_rank(out.stdout) for r in range(4)):
             ranks = wait_for(lambda: (lambda found: found if len(found) == 4 else None)(
                 {process_name(p): p for p in named(ray_cluster, "taas-rank")}), timeout=60, what="4 ranks")
             seen["victim"] = victim(ranks)
@@ -62,14 +63,14 @@ def run_killing(kernel, ray_cluster, code: str, victim, timeout: float = 600.0):
 def assert_next_cell_works(kernel):
     run = kernel.run(ALL_REDUCE)
     assert run.error is None, run.traceback + run.stderr
-    assert sorted(re.findall(r"\[rank(\d)\] node (\d)", run.stdout)) == [
+    assert sorted(re.findall(r"\[rank(\d)\] node (\d)", per_rank(run.stdout))) == [
         ("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], run.stdout
     assert kernel.run("print(total)").stdout.strip() == "10.0"
 
 
 def test_a_rank_killed_on_the_second_node_stops_the_whole_job(kernel, ray_cluster):
     run, job, _ = run_killing(kernel, ray_cluster, WAITING, lambda ranks: ranks["taas-rank3"].pid)
-    assert "[rank3] up on node 1" in run.stdout, run.stdout  # on the second GPU node
+    assert "[rank3] up on node 1" in per_rank(run.stdout), per_rank(run.stdout)  # on the second GPU node
     assert run.status == "error"
     tb = plain(run.traceback)
     assert tb.splitlines()[0].startswith("rank3 was killed by SIGKILL"), tb
@@ -152,7 +153,7 @@ def test_a_killed_kernel_leaves_no_loader_relay_agent_group_or_segment(ray_clust
     seen: dict = {}
 
     def on_output(out):
-        if "job" in seen or not all(f"[rank{r}] fed" in out.stdout for r in range(4)):
+        if "job" in seen or not all(f"[rank{r}] fed" in per_rank(out.stdout) for r in range(4)):
             return
         ranks = named(ray_cluster, "taas-rank")
         seen["job_id"] = wait_for(lambda: _mapped_job(ranks), what="the ranks mapping the job's segments")

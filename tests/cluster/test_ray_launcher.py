@@ -26,6 +26,7 @@ import pytest
 
 from tests.support.cluster import missing_namespaces, write_auth_token
 from tests.support.paths import REPO_ROOT, with_repo_on_path
+from tests.support.ranks import per_rank
 
 
 def _why_skip() -> str | None:
@@ -165,7 +166,7 @@ def test_ranks_get_torchruns_environment_and_the_node_id(report):
 def test_output_is_live(report):
     run = report["live"]
     assert run.get("error") is None, run
-    assert "[rank0] second line" in run["lines"], run["lines"]
+    assert "[rank0] second line" in per_rank("\n".join(run["lines"])).splitlines(), run["lines"]
 
 
 def test_a_failing_rank_is_the_root_cause(report):

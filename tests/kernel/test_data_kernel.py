@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.support.kernel_driver import (Kernel, cell, plain, process_name, shm_entries, wait_for, wait_until_gone)
+from tests.support import ranks
 
 pytestmark = pytest.mark.kernel
 
@@ -78,7 +79,7 @@ print("LOG", json.dumps(log))
 
 def logs(run) -> dict[int, list]:
     out = {}
-    for line in run.stdout.splitlines():
+    for line in ranks.per_rank(run.stdout).splitlines():
         match = re.match(r"\[rank(\d+)\] LOG (.*)", line)
         if match:
             out[int(match.group(1))] = json.loads(match.group(2))
@@ -187,7 +188,8 @@ def test_a_loader_read_only_by_functions_never_travels_to_the_ranks(kernel, clea
     kernel.run("taas.unregister(tattling)")
     assert run.error is None, run.traceback
     assert "unpickled in a rank" not in run.stdout
-    assert "[rank0] seen (2, [2, 2])" in run.stdout and "[rank1] seen (2, [2, 2])" in run.stdout
+    out = ranks.per_rank(run.stdout)
+    assert "[rank0] seen (2, [2, 2])" in out and "[rank1] seen (2, [2, 2])" in out
 
 
 def test_a_rank_that_stops_early_ends_the_job_promptly(kernel, clean):
@@ -283,7 +285,7 @@ def test_interrupt_during_prefetch_cleans_up(kernel, clean):
     reply = kernel.reply(msg_id)
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
     after = kernel.run("%%taas --gpus 2\nprint('next', sum(len(b['i']) for b in loader))")
-    assert after.error is None and "[rank0] next" in after.stdout
+    assert after.error is None and "[rank0] next" in ranks.per_rank(after.stdout)
 
 
 def test_a_killed_kernel_leaves_no_loader_worker_or_shared_memory(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.kernel_driver import Kernel, cell
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -61,7 +62,7 @@ def test_a_long_line_without_newline_arrives_live_complete_and_once(kernel, clea
     long = [line for line in lines if "A" in line]
     assert len(long) == 1, [line[:40] for line in long]
     assert long[0] == "[rank0] " + "A" * 5_000_000 + "B" * 10  # tagged once, whole
-    assert run.stdout.count("[rank0] after") == 1 and run.stdout.count("[rank1] after") == 1
+    assert per_rank(run.stdout).count("[rank0] after") == 1 and per_rank(run.stdout).count("[rank1] after") == 1
 
 
 BAR = "import sys\nfor i in range(1, 10001):\n    sys.stderr.write(f'\\rstep {i}/10000')\n"
@@ -93,7 +94,7 @@ def test_a_deleted_working_directory_is_one_line(tmp_path):
         assert k.run(f"%cd {tmp_path}").error is None
         again = k.run("%%taas --gpus 2\nprint('ran')")
         assert again.error is None, again.traceback
-        assert "[rank0] ran" in again.stdout
+        assert "[rank0] ran" in per_rank(again.stdout)
     finally:
         k.shutdown()
 
@@ -113,11 +114,11 @@ def test_a_registered_loader_assigned_again_gets_a_note(kernel, clean):
     assert run.error is None, run.traceback
     assert run.stderr.count("`loader` is no longer the loader registered") == 1, run.stderr
     assert "taas.register(loader)" in run.stderr
-    assert "[rank0] DataLoader 2" in run.stdout  # the new plain loader, as the note says
+    assert "[rank0] DataLoader 2" in per_rank(run.stdout)  # the new plain loader, as the note says
     again = kernel.run(body)
     assert "no longer" not in again.stderr  # noted once per re-definition
     fixed = kernel.run("taas.register(loader)\n" + "get_ipython().run_cell_magic('taas', '--gpus 2', "
                        "'print(len(list(loader)))')")
     assert fixed.error is None, fixed.traceback
     assert "no longer" not in fixed.stderr
-    assert "[rank0] 1\n" in fixed.stdout  # a view: this rank's share of the 2 batches
+    assert "[rank0] 1\n" in per_rank(fixed.stdout)  # a view: this rank's share of the 2 batches

@@ -13,6 +13,7 @@ import pytest
 from tests.support.kernel_driver import (Kernel, cell, one_line_usage_error, open_files, process_name, wait_for,
                                          wait_until_gone)
 from tests.support.launchers import on_both_launchers
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -107,7 +108,7 @@ def test_a_failing_rank_shows_its_traceback_with_cell_lines(kernel, clean):
     assert "taas/" not in tb  # no taas internals in the user's traceback
     assert kernel.run("print(sentinel)").stdout.strip() == "before"
     again = kernel.run("%%taas --gpus 2\nprint('fine')")
-    assert again.error is None and "[rank1] fine" in again.stdout
+    assert again.error is None and "[rank1] fine" in per_rank(again.stdout)
 
 
 def test_error_in_a_notebook_function_points_at_its_cell(kernel, clean):
@@ -174,7 +175,7 @@ def test_data_parallel_becomes_ddp(kernel, clean):
         print(isinstance(m, DistributedDataParallel), type(m.module).__name__)
         """))
     assert run.error is None, run.traceback
-    assert "[rank0] True Linear" in run.stdout and "[rank1] True Linear" in run.stdout
+    assert "[rank0] True Linear" in per_rank(run.stdout) and "[rank1] True Linear" in per_rank(run.stdout)
     assert "DistributedDataParallel" in run.stderr
 
 
@@ -188,7 +189,7 @@ def test_dataloader_workers_inside_a_rank(kernel, clean):
         print("total", total)
         """))
     assert run.error is None, run.traceback
-    assert "[rank1] total 120.0" in run.stdout
+    assert "[rank1] total 120.0" in per_rank(run.stdout)
 
 
 @pytest.mark.parametrize("line, message", [
@@ -222,7 +223,7 @@ def test_unshippable_values_fail_before_launch(kernel, setup, name):
 def test_unreferenced_unshippable_values_are_ignored(kernel, clean):
     kernel.run("import threading\nlock_never_used = threading.Lock()")
     run = kernel.run("%%taas --gpus 2\nprint('ok')")
-    assert run.error is None and "[rank0] ok" in run.stdout
+    assert run.error is None and "[rank0] ok" in per_rank(run.stdout)
 
 
 def test_status_line_magic(kernel):
@@ -244,7 +245,7 @@ def test_interrupt_stops_every_rank(kernel, clean):
     seen = {}
 
     def on_output(out):
-        if "[rank1] started" in out.stdout and "at" not in seen:
+        if "[rank1] started" in per_rank(out.stdout) and "at" not in seen:
             seen["at"] = time.monotonic()
             kernel.km.interrupt_kernel()
 
@@ -254,7 +255,7 @@ def test_interrupt_stops_every_rank(kernel, clean):
     assert run.status == "error" and run.error["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - seen["at"] < 5
     again = kernel.run("%%taas --gpus 2\nprint('next')")
-    assert again.error is None and "[rank0] next" in again.stdout
+    assert again.error is None and "[rank0] next" in per_rank(again.stdout)
 
 
 def test_killed_kernel_leaves_no_worker(workdir):
@@ -433,7 +434,7 @@ def test_restarted_kernel_leaves_no_worker(workdir):
         k.pid = k.km.provisioner.process.pid
         assert k.run("%load_ext taas").error is None
         again = k.run("%%taas --gpus 2\nprint('after restart')")
-        assert again.error is None and "[rank1] after restart" in again.stdout
+        assert again.error is None and "[rank1] after restart" in per_rank(again.stdout)
     finally:
         k.shutdown()
 

@@ -15,6 +15,7 @@ import pytest
 from tests.support.kernel_driver import (Kernel, OFFLINE, cell, one_line_usage_error, plain, process_name, wait_for,
                                          wait_until_gone)
 from tests.support.launchers import on_both_launchers
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -44,9 +45,9 @@ def test_a_failed_attempt_restarts_and_reads_rank_zeros_checkpoint(kernel, clean
     err = plain(run.stderr)
     assert err.count("taas: restart ") == 1, err
     assert "taas: restart 1/2: rank1 failed: RuntimeError: lost rank 1 at step 2" in err
-    assert "[rank0] attempt 0 of 2 resumes at step 0" in run.stdout
-    assert "[rank0] attempt 1 of 2 resumes at step 3" in run.stdout
-    assert "[rank1] attempt 1 of 2 resumes at step 3" in run.stdout
+    assert "[rank0] attempt 0 of 2 resumes at step 0" in per_rank(run.stdout)
+    assert "[rank0] attempt 1 of 2 resumes at step 3" in per_rank(run.stdout)
+    assert "[rank1] attempt 1 of 2 resumes at step 3" in per_rank(run.stdout)
     assert kernel.run("print(final)").stdout.strip() == "(1, 6)"
     assert "restarts 1" in kernel.run("%taas").stdout
     (workdir / "ckpt.pt").unlink()

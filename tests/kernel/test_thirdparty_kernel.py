@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tests.support.kernel_driver import OFFLINE, cell, plain
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -33,8 +34,9 @@ def test_notebook_functions_using_exit_quit_and_get_ipython_run_in_ranks(kernel,
     assert setup.error is None, setup.traceback
     run = kernel.run("%%taas --gpus 2\nprint('shell:', in_notebook(), get_ipython())\nmain(None)")
     assert run.error is None, run.traceback
-    assert "[rank0] shell: False None" in run.stdout and "[rank1] shell: False None" in run.stdout
-    assert "[rank1] Unable to locate sufficient 2 gpus" in run.stdout and "trained" not in run.stdout
+    out = per_rank(run.stdout)
+    assert "[rank0] shell: False None" in out and "[rank1] shell: False None" in out
+    assert "[rank1] Unable to locate sufficient 2 gpus" in out and "trained" not in out
     assert kernel.run("print(in_notebook())").stdout.strip() == "True"  # the kernel's own is untouched
 
 
@@ -116,7 +118,7 @@ def test_accelerate_test_script_with_ranks_sharing_one_file(kernel, clean, workd
         print("distributed", state.distributed_type, "processes", state.num_processes)
         """))
     assert run.error is None, run.traceback
-    assert "[rank1] distributed DistributedType.MULTI_CPU processes 2" in run.stdout, run.stdout
+    assert "[rank1] distributed DistributedType.MULTI_CPU processes 2" in per_rank(run.stdout), per_rank(run.stdout)
     assert not (workdir / "check_main_process_first.txt").exists()
 
 

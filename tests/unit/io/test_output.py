@@ -87,7 +87,7 @@ class Recorder:
 
 def test_router_tags_a_long_line_once():
     sink = Recorder()
-    router = OutputRouter(sink, ["rank0", "rank1"], None, tag=True)
+    router = OutputRouter(sink, ["rank0", "rank1"], None, tag=True, hold=0.0)  # nothing held
     router._splitters[("rank0", "stdout")] = LineSplitter(max_line=10)
     router.feed("rank0", "stdout", b"a" * 25)
     router.feed("rank1", "stderr", b"other stream\n")
@@ -121,7 +121,7 @@ def test_router_replays_hidden_pieces_with_one_tag():
 
 def test_router_never_mixes_two_processes_in_one_line():
     sink = Recorder()
-    router = OutputRouter(sink, ["rank0", "rank1"], None, tag=True)
+    router = OutputRouter(sink, ["rank0", "rank1"], None, tag=True, hold=0.0)  # nothing held
     router._splitters[("rank0", "stdout")] = LineSplitter(max_line=4)
     router.feed("rank0", "stdout", b"aaaaaa")
     router.feed("rank1", "stdout", b"hi\n")
