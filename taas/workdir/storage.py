@@ -73,7 +73,6 @@ by another user cannot be changed there (copying it up would need that owner: EO
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import re
@@ -83,161 +82,17 @@ from collections.abc import Sequence
 
 __all__ = ["layer_dir", "make_read_only", "mount_layer", "scratch_dir"]
 
-# <sched.h>
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-
-# <sys/mount.h>
-MS_RDONLY = 1
-MS_NOSUID = 2
-MS_NODEV = 4
-MS_NOEXEC = 8
-MS_REMOUNT = 32
-MS_NOSYMFOLLOW = 256
-MS_NOATIME = 1024
-MS_NODIRATIME = 2048
-MS_BIND = 4096
-MS_REC = 16384
-MS_PRIVATE = 1 << 18
-MS_RELATIME = 1 << 21
-MNT_DETACH = 2
-
-# statvfs().f_flag (<sys/statvfs.h>, the kernel's ST_*) -> the mount flag that keeps it.
-# Superblock-only flags (synchronous, mandlock) are not per-mount and need no carrying.
-_CARRIED_FLAGS = (
-    (0x0001, MS_RDONLY),  # ST_RDONLY
-    (0x0002, MS_NOSUID),  # ST_NOSUID
-    (0x0004, MS_NODEV),  # ST_NODEV
-    (0x0008, MS_NOEXEC),  # ST_NOEXEC
-    (0x0400, MS_NOATIME),  # ST_NOATIME
-    (0x0800, MS_NODIRATIME),  # ST_NODIRATIME
-    (0x1000, MS_RELATIME),  # ST_RELATIME
-    (0x2000, MS_NOSYMFOLLOW),  # ST_NOSYMFOLLOW
+# The constants are re-exported: the rule is written with them.
+from taas.workdir import namespaces as ns
+from taas.workdir.namespaces import (  # noqa: F401 (tests use storage.CLONE_* and MS_*)
+    CLONE_NEWNS, CLONE_NEWUSER, MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC,
+    MS_REMOUNT, MS_NOSYMFOLLOW, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME, MNT_DETACH,
 )
-_ST_RDONLY = 0x0001
-
-# <linux/prctl.h>
-_PR_GET_DUMPABLE = 3
-_PR_SET_DUMPABLE = 4
 
 _REASON = "cannot make the working directory read-only for ranks > 0 ({})"
 _LAYER_REASON = "cannot give ranks > 0 a private layer over the working directory ({})"
 
-
-class _Refused(Exception):
-    """One step failed; ``str()`` is the step and the error, e.g. ``unshare: Operation not permitted``."""
-
-    def __init__(self, message: str, err: int = 0):
-        super().__init__(message)
-        self.errno = err
-
-
-def _load_libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.unshare.argtypes = [ctypes.c_int]
-        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
-                               ctypes.c_ulong, ctypes.c_void_p]
-        libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong,
-                               ctypes.c_ulong, ctypes.c_ulong]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()
-
-
-def _check(step: str, rc: int) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise _Refused(f"{step}: {os.strerror(err) if err else 'failed'}", err)
-
-
-def _unshare(flags: int, step: str = "unshare") -> None:
-    _check(step, _libc.unshare(flags))
-
-
-def _mount(source: str | None, target: str, flags: int, step: str) -> None:
-    src = os.fsencode(source) if source is not None else None
-    _check(step, _libc.mount(src, os.fsencode(target), None, flags, None))
-
-
-def _carried_flags(path: str) -> int:
-    """The per-mount flags ``path``'s mount has now, as ``mount(2)`` flags."""
-    have = os.statvfs(path).f_flag
-    flags = 0
-    for st, ms in _CARRIED_FLAGS:
-        if have & st:
-            flags |= ms
-    return flags
-
-
-def _write_proc(name: str, text: str) -> None:
-    fd = os.open(f"/proc/self/{name}", os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())  # one write(2): the kernel takes a map in one go
-    finally:
-        os.close(fd)
-
-
 log = logging.getLogger(__name__)
-
-_user_namespace = False  # this process entered a user namespace of its own
-
-
-def _enter_user_namespace() -> None:
-    """``unshare(CLONE_NEWUSER | CLONE_NEWNS)``, keeping this process's own uid and gid."""
-    global _user_namespace
-    uid, gid = os.geteuid(), os.getegid()
-    try:
-        _unshare(CLONE_NEWUSER | CLONE_NEWNS)
-        _user_namespace = True
-        log.debug("entered a user namespace of its own (uid %d, gid %d)", uid, gid)
-    except _Refused as exc:
-        hint = {errno.ENOSPC: "user namespaces disabled or exhausted: sysctl user.max_user_namespaces",
-                errno.EINVAL: "the process has threads"}.get(exc.errno)
-        if hint:
-            raise _Refused(f"{exc}; {hint}", exc.errno) from None
-        raise
-    # /proc/self/*_map belong to root while the process is not dumpable (after a setuid, for
-    # example), and only the process itself may write a map of its own id: be dumpable for
-    # the two writes.
-    dumpable = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0)
-    if dumpable != 1:
-        _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-    try:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                           ("gid_map", f"{gid} {gid} 1")):
-            try:
-                _write_proc(name, text)
-            except FileNotFoundError:
-                if name != "setgroups":  # kernels before 3.19 have no setgroups file
-                    raise _Refused(f"{name}: no such file") from None
-            except OSError as exc:
-                raise _Refused(f"{name}: {exc.strerror}") from None
-    finally:
-        if dumpable != 1:
-            _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-
-
-def _enter_mount_namespace() -> None:
-    if os.geteuid() == 0:
-        try:
-            _unshare(CLONE_NEWNS)
-            return
-        except _Refused as first:
-            if first.errno != errno.EPERM:  # root without CAP_SYS_ADMIN: try userns
-                raise
-            try:
-                _enter_user_namespace()
-                return
-            except _Refused as second:
-                raise _Refused(f"unshare: Operation not permitted; user namespace: {second}") from None
-    _enter_user_namespace()
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -247,13 +102,13 @@ def _inside(child: str, parent: str) -> bool:
 def _verify(path: str, keep: Sequence[str] = ()) -> str | None:
     """None if no file can be created in ``path`` (and in ``.`` when that is inside it and
     not inside a kept path)."""
-    if not os.statvfs(path).f_flag & _ST_RDONLY:
+    if not os.statvfs(path).f_flag & ns.ST_RDONLY:
         return f"{path} is still on a writable mount"
     cwd = os.getcwd()
     # "." is the directory this process holds, which need not be the one its name resolves to.
     held = (cwd == path or _inside(cwd, path)) and not any(
         cwd == k or _inside(cwd, k) for k in keep)
-    if held and not os.statvfs(".").f_flag & _ST_RDONLY:
+    if held and not os.statvfs(".").f_flag & ns.ST_RDONLY:
         return "the current directory is still on a writable mount"
     try:
         fd, name = tempfile.mkstemp(dir=path, prefix=".taas-ro-check-")
@@ -278,7 +133,7 @@ def make_read_only(path: str, keep_writable: Sequence[str] = ()) -> str | None:
     namespace), i.e. right after fork.  It changes only this process's own namespaces. No
     Landlock fallback: see the module docstring.
     """
-    if _libc is None:
+    if ns.libc is None:
         return _REASON.format(f"not supported on {sys.platform}")
     cwd = None
     mounted = False
@@ -290,17 +145,17 @@ def make_read_only(path: str, keep_writable: Sequence[str] = ()) -> str | None:
         keep = sorted({k for k in (os.path.realpath(p) for p in keep_writable if p)
                        if _inside(k, path) and os.path.exists(k)}, key=len)
         # Flags before anything changes: a kept path was read-only already stays so.
-        path_flags = _carried_flags(path)
-        keep_flags = [(k, _carried_flags(k)) for k in keep]
+        path_flags = ns.carried_flags(path)
+        keep_flags = [(k, ns.carried_flags(k)) for k in keep]
 
-        _enter_mount_namespace()
-        _mount(None, "/", MS_REC | MS_PRIVATE, "mount --make-rprivate /")
-        _mount(path, path, MS_BIND | MS_REC, "bind mount")
+        ns.enter_mount_namespace()
+        ns.mount(None, "/", MS_REC | MS_PRIVATE, "mount --make-rprivate /")
+        ns.mount(path, path, MS_BIND | MS_REC, "bind mount")
         mounted = True
-        _mount(None, path, MS_REMOUNT | MS_BIND | MS_RDONLY | path_flags, "read-only remount")
+        ns.mount(None, path, MS_REMOUNT | MS_BIND | MS_RDONLY | path_flags, "read-only remount")
         for k, flags in keep_flags:
-            _mount(k, k, MS_BIND | MS_REC, f"bind mount of {k}")
-            _mount(None, k, MS_REMOUNT | MS_BIND | flags, f"read-write remount of {k}")
+            ns.mount(k, k, MS_BIND | MS_REC, f"bind mount of {k}")
+            ns.mount(None, k, MS_REMOUNT | MS_BIND | flags, f"read-write remount of {k}")
         # The current directory still refers to the mount it was entered through.
         os.chdir(cwd)
         failure = _verify(path, keep)
@@ -309,7 +164,7 @@ def make_read_only(path: str, keep_writable: Sequence[str] = ()) -> str | None:
                       ", ".join(keep) or "nothing")
             return None
         reason = f"enforcement failed silently: {failure}"
-    except _Refused as exc:
+    except ns.Refused as exc:
         reason = str(exc)
     except Exception as exc:  # the contract is a reason, never an exception
         reason = f"{type(exc).__name__}: {exc}"
@@ -343,15 +198,15 @@ def _mount_overlay(path: str, upper: str, work: str, flags: int) -> None:
                f"workdir={_overlay_escape(work)}")
     # In a user namespace overlayfs cannot write its trusted.* xattrs (opaque directories,
     # redirects): it is told to use user.* ones, where the kernel knows that option (5.11+).
-    tries = ["userxattr", ""] if _user_namespace else ["", "userxattr"]
+    tries = ["userxattr", ""] if ns.user_namespace else ["", "userxattr"]
     err = 0
     for extra in tries:
         data = os.fsencode(options + ("," + extra if extra else ""))
-        if _libc.mount(b"overlay", os.fsencode(path), b"overlay", flags, data) == 0:
+        if ns.libc.mount(b"overlay", os.fsencode(path), b"overlay", flags, data) == 0:
             log.debug("overlay over %s, upper layer %s%s", path, upper, f" ({extra})" if extra else "")
             return
         err = err or ctypes.get_errno()
-    raise _Refused(f"overlay mount: {os.strerror(err) if err else 'failed'}", err)
+    raise ns.Refused(f"overlay mount: {os.strerror(err) if err else 'failed'}", err)
 
 
 def layer_dir(job_dir: str, key: str) -> str:
@@ -369,7 +224,7 @@ def mount_layer(path: str, layer: str) -> str | None:
     before, writable).  Never raises.  Must be called while the process is single-threaded.
     ``layer`` lies outside ``path`` (the job directory) and is created here.
     """
-    if _libc is None:
+    if ns.libc is None:
         return _LAYER_REASON.format(f"not supported on {sys.platform}")
     cwd = None
     mounted: list[str] = []
@@ -385,17 +240,17 @@ def mount_layer(path: str, layer: str) -> str | None:
         upper, work = os.path.join(real_layer, "upper"), os.path.join(real_layer, "work")
         os.makedirs(upper, exist_ok=True)
         os.makedirs(work, exist_ok=True)
-        flags = _carried_flags(path) & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME
+        flags = ns.carried_flags(path) & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME
                                         | MS_NODIRATIME | MS_RELATIME | MS_NOSYMFOLLOW)
 
-        _enter_mount_namespace()
-        _mount(None, "/", MS_REC | MS_PRIVATE, "mount --make-rprivate /")
+        ns.enter_mount_namespace()
+        ns.mount(None, "/", MS_REC | MS_PRIVATE, "mount --make-rprivate /")
         subs = _submounts(path)
         fds = [os.open(p, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW) for p in subs]
         _mount_overlay(path, upper, work, flags)
         mounted.append(path)
         for p, fd in zip(subs, fds):  # the overlay hides mounts below the lower directory
-            _mount(f"/proc/self/fd/{fd}", p, MS_BIND | MS_REC, f"bind mount of {p}")
+            ns.mount(f"/proc/self/fd/{fd}", p, MS_BIND | MS_REC, f"bind mount of {p}")
             mounted.append(p)
         os.chdir(cwd)  # the current directory still refers to the directory below
         fd, name = tempfile.mkstemp(dir=path, prefix=".taas-layer-check-")
@@ -406,7 +261,7 @@ def mount_layer(path: str, layer: str) -> str | None:
             log.debug("storage layer: writes under %s land in %s", path, upper)
             return None
         reason = "enforcement failed silently: a test file did not land in the layer"
-    except _Refused as exc:
+    except ns.Refused as exc:
         reason = str(exc)
     except Exception as exc:  # the contract is a reason, never an exception
         reason = f"{type(exc).__name__}: {exc}"
@@ -422,7 +277,7 @@ def _undo(mounts, cwd: str | None, reason: str) -> str:
     """Detach ``mounts`` (in that order) and re-enter ``cwd``; ``reason``, with any unmount
     that failed added to it."""
     for p in mounts:
-        if _libc.umount2(os.fsencode(p), MNT_DETACH) != 0:
+        if ns.libc.umount2(os.fsencode(p), MNT_DETACH) != 0:
             reason += f"; undo failed: {os.strerror(ctypes.get_errno())}"
     if cwd is not None:
         try:
