@@ -54,7 +54,7 @@ def log(step: int | None = None, **scalars) -> None:
     microseconds a call; in the notebook itself they go to the notebook's own history.  Values
     are numbers (numpy scalars and one-element tensors too); anything else, NaN included, is
     left out with one note per name.  ``step`` defaults to one past the last step logged."""
-    (_metrics or _metrics_module()).log(step, **scalars)
+    (_metrics or _metrics_module()).record(step, scalars)
 
 
 def metrics(job: str = "last"):

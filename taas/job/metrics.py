@@ -41,6 +41,11 @@ def log(step: int | None = None, **scalars) -> None:
     (_recorder or HISTORY.notebook.log)(step, scalars)
 
 
+def record(step: int | None, scalars: dict) -> None:
+    """:func:`log` with the scalars as a dict the recorder may keep (one repacking less)."""
+    (_recorder or HISTORY.notebook.log)(step, scalars)
+
+
 # -- the value rule ---------------------------------------------------------------------------
 def scalar(value) -> tuple[float | None, str]:
     """(the number ``value`` stands for, "") or (None, why it is not recorded)."""
@@ -200,10 +205,14 @@ class History:
         return len(rows)
 
     def series(self, job_id: str, rank: int = 0) -> dict[str, tuple[array, array]]:
-        """name -> (steps, values) of ``rank`` in job ``job_id``: what the live plot draws."""
+        """name -> (steps, values) of ``rank`` in job ``job_id``: what the live plot draws
+        (copies: the plot draws them in a thread of its own while rows keep coming)."""
         with self.lock:
             table = self.jobs.get(job_id, {}).get(rank)
-            return {} if table is None else {n: table.series(n) for n in table.columns}
+            if table is None:
+                return {}
+            steps = table.steps[:]
+            return {name: (steps, column[:]) for name, column in table.columns.items()}
 
     def last_job(self) -> str | None:
         logged = [job for job, tables in self.jobs.items() if any(len(t) for t in tables.values())]

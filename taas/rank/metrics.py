@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 
 from taas.job import metrics as rows_format
 from taas.launch.process import events
@@ -27,43 +28,59 @@ CAPACITY = 10_000  # rows waiting before the logging thread sends them itself
 
 
 class Buffer:
-    """One rank's rows on their way to the kernel (see the module docstring)."""
+    """One rank's rows on their way to the kernel (see the module docstring).
+
+    The rows wait in a deque: the logging thread appends, the sender pops from the other end,
+    both safe without a lock, so a ``taas.log`` call takes no lock on its way."""
 
     def __init__(self, send=events.send, interval: float = INTERVAL, capacity: int = CAPACITY,
                  write_note=None) -> None:
         self._send = send
         self.interval = interval
         self.capacity = capacity
-        self._rows: list = []
-        self._lock = threading.Lock()  # the rows list: the logging thread appends, the sender takes
+        self._rows: deque = deque()
         self._send_lock = threading.Lock()  # one send at a time keeps each rank's rows in order
-        self._pending = threading.Event()
+        self._pending = threading.Event()  # rows are waiting: the thread sends them soon
         self._thread: threading.Thread | None = None
         self.last_step = -1
         self.notes = rows_format.Notes(write_note or _note)
 
     def log(self, step, scalars: dict) -> None:
-        row = rows_format.check(step, scalars, self.last_step, self.notes)
-        if row is None:
-            return
-        self.last_step = row[0]
-        with self._lock:
-            self._rows.append(row)
-            waiting = len(self._rows)
-        if waiting == 1:
+        """Record ``scalars`` (a dict this buffer may keep) at ``step`` (None: the next)."""
+        fast = step is None or type(step) is int
+        if fast:  # the common case, checked inline: an int step and finite floats
+            for value in scalars.values():
+                if type(value) is not float or value - value != 0.0:  # (NaN and inf: not 0.0)
+                    fast = False
+                    break
+        if fast:
+            if step is None:
+                step = self.last_step + 1
+            if not scalars:
+                return
+        else:
+            row = rows_format.check(step, scalars, self.last_step, self.notes)
+            if row is None:
+                return
+            step, scalars = row
+        self.last_step = step
+        rows = self._rows
+        rows.append((step, scalars))
+        if not self._pending.is_set():
             if self._thread is None:
                 self._start()
             self._pending.set()
-        elif waiting >= self.capacity:
+        if len(rows) >= self.capacity:
             self.flush()  # the thread falls behind: this caller pays, memory stays bounded
 
     def flush(self) -> None:
         """Send every row logged so far (the thread's way, and the cell's end)."""
         with self._send_lock:
-            with self._lock:
-                rows, self._rows = self._rows, []
-            for start in range(0, len(rows), rows_format.ROWS_PER_EVENT):
-                chunk = rows[start:start + rows_format.ROWS_PER_EVENT]
+            rows, taken = self._rows, []
+            while rows:
+                taken.append(rows.popleft())
+            for start in range(0, len(taken), rows_format.ROWS_PER_EVENT):
+                chunk = taken[start:start + rows_format.ROWS_PER_EVENT]
                 self._send(rows_format.KIND, rows=[[step, values] for step, values in chunk])
 
     def _start(self) -> None:
@@ -74,7 +91,7 @@ class Buffer:
         while True:
             self._pending.wait()
             time.sleep(self.interval)  # rows logged meanwhile go in the same event
-            self._pending.clear()
+            self._pending.clear()  # before taking the rows: one logged after this wakes us again
             try:
                 self.flush()
             except (OSError, ValueError, TypeError) as exc:  # the kernel is gone, or a value JSON refuses
