@@ -84,7 +84,7 @@ def render(series: Series, title: str = "") -> bytes:
     figure = Figure(figsize=(3.6 * cols, 2.4 * rows + 0.4), dpi=80)
     figure.subplots_adjust(left=0.08, right=0.98, bottom=0.16 / rows, top=1 - 0.3 / (rows + 0.2),
                            wspace=0.3, hspace=0.55)
-    FigureCanvasAgg(figure)
+    canvas = FigureCanvasAgg(figure)
     for i, name in enumerate(names):
         axes = figure.add_subplot(rows, cols, i + 1)
         x, y = decimate(*series[name])
@@ -98,7 +98,7 @@ def render(series: Series, title: str = "") -> bytes:
     if heading:
         figure.suptitle(heading, fontsize=10)
     buffer = io.BytesIO()
-    figure.canvas.print_png(buffer)
+    canvas.print_png(buffer)
     return buffer.getvalue()
 
 

@@ -57,7 +57,7 @@ def scalar(value) -> tuple[float | None, str]:
     if isinstance(value, (str, bytes, dict, list, tuple, set)) or value is None:
         return None, f"is {_kind(value)}, not a number"
     item = getattr(value, "item", None)  # numpy scalars and arrays, torch tensors
-    size = getattr(value, "size", getattr(value, "numel", None))
+    size = getattr(value, "numel", None) or getattr(value, "size", None)  # torch, numpy
     size = size() if callable(size) else size
     if callable(item) and size in (1, None):
         try:
@@ -224,15 +224,15 @@ class History:
                 return [_row(step, None, values) for step, values in self.notebook.rows()]
             if which == "all":
                 out = [{"job": None, **_row(step, None, values)} for step, values in self.notebook.rows()]
-                for job in self.jobs:
-                    out += [{"job": job, **row} for row in self._job_rows(job)]
+                for job_id in self.jobs:
+                    out += [{"job": job_id, **row} for row in self._job_rows(job_id)]
                 return out
             job = self.last_job() if which == "last" else which
-            if job is not None and job not in self.jobs:
+            if job is None:  # no job logged yet: the notebook's own rows
+                return [_row(step, None, values) for step, values in self.notebook.rows()]
+            if job not in self.jobs:
                 raise ValueError(f"taas.metrics: no job {which!r} logged in this kernel; "
                                  f"'last', 'all', 'notebook' or one of {list(self.jobs)}")
-            if job is None:
-                return [_row(step, None, values) for step, values in self.notebook.rows()]
             return self._job_rows(job)
 
     def _job_rows(self, job: str) -> list[dict]:

@@ -85,7 +85,7 @@ def test_hugging_face_trainer_logs_feed_the_plot_and_history(kernel, clean, work
                                  logging_steps=1)
         """))
     assert setup.error is None, setup.traceback
-    run = kernel.run("%%taas --gpus 2\ntrainer = Trainer(model, args, train_dataset=ds)\ntrainer.train()\nprint('trained')")
+    run = kernel.run("%%taas --gpus 2\ntrainer = Trainer(model, args, train_dataset=ds)\ntrainer.train()")
     assert run.error is None, run.traceback
     assert plots(run), run.displays
     got = rows(kernel)
