@@ -1,7 +1,7 @@
 """``taas.log`` in a rank: rows buffered here, sent to the kernel as "metrics" events.
 
 A ``taas.log`` call must cost a training loop microseconds, not a write to a pipe: it checks
-its values (:func:`taas.job.metrics.check`) and appends one row to a list.  A daemon thread,
+its values (:func:`taas.job.metrics.check`) and appends one row to a deque.  A daemon thread,
 started by the first row, sends what piled up at most every :data:`INTERVAL` seconds, as
 event lines of at most ``ROWS_PER_EVENT`` rows; :func:`flush` sends the rest at the cell's end,
 before the rank says "done" (so the kernel has every row when the job ends).  The buffer is
