@@ -30,7 +30,43 @@ _loaded: dict = {}
 # The data plane's public API (taas.register(loader), ...), imported on first use so that
 # `import taas` stays cheap (no torch).
 _DATA_API = ("register", "unregister", "is_registered", "registered", "get_worker_info", "WorkerInfo")
-__all__ = ["load_ipython_extension", "unload_ipython_extension", *_DATA_API]  # noqa: PLE0604 (a tuple of str)
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "log", "metrics",  # noqa: PLE0604
+           *_DATA_API]
+
+_metrics = None  # taas.job.metrics once taas.log / taas.metrics were used (through the session)
+
+
+def _metrics_module():
+    global _metrics
+    if _metrics is None:
+        # The public API reaches the rooms below through the composition root (tests/project/
+        # test_layers.py); in a rank the rank runtime already pointed it at its buffer.
+        from taas.session import job_metrics
+
+        _metrics = job_metrics
+    return _metrics
+
+
+def log(step: int | None = None, **scalars) -> None:
+    """Record scalars at ``step``: ``taas.log(step=i, loss=loss.item(), lr=lr)``.
+
+    In a taas rank, rows go to the kernel (rank 0's are drawn live in the cell) at a cost of
+    microseconds a call; in the notebook itself they go to the notebook's own history.  Values
+    are numbers (numpy scalars and one-element tensors too); anything else, NaN included, is
+    left out with one note per name.  ``step`` defaults to one past the last step logged."""
+    (_metrics or _metrics_module()).record(step, scalars)
+
+
+def metrics(job: str = "last"):
+    """The rows ``taas.log`` (and Hugging Face's or Lightning's Trainer) recorded, as a pandas
+    DataFrame when pandas is installed, else a list of dicts: ``step``, ``rank``, the scalars.
+
+    ``job``: ``"last"`` (the last job that logged anything; the notebook's rows while none
+    did), ``"all"`` (every job of this
+    kernel and the notebook's own rows, with a ``job`` column; the notebook's rows have
+    ``rank`` None), ``"notebook"``, or a job's id."""
+    module = _metrics_module()
+    return module.frame(module.HISTORY.rows(job))
 
 
 def __getattr__(name: str):

@@ -80,6 +80,19 @@ class NotebookSink:
         sys.stdout.flush()
         publish_display_data(data, metadata)
 
+    def live(self, name: str, data: dict, metadata: dict, final: bool) -> None:
+        """Show ``data`` as the display ``name`` of this cell, updated in place on later calls
+        (the metrics plot, taas.io.plot); ``final``: its last state."""
+        handles = self.__dict__.setdefault("_live", {})  # name -> display handle, made on first use
+        if name not in handles:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            handles[name] = display(data, raw=True, metadata=metadata, display_id=True)
+        else:
+            handles[name].update(data, raw=True, metadata=metadata)
+        if final:
+            del handles[name]
+
 
 @magics_class
 class TaasMagics(Magics):

@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING
 from taas import directive
 from taas.errors import LaunchError
 from taas.io import failure, keys
+from taas.io.plot import LivePlot
 from taas.io.output import Sink, TerminalSink
 from taas.job import analysis, package, results
+from taas.job import metrics as job_metrics  # also how taas.log / taas.metrics reach it (taas/__init__.py)
 from taas.job.api import Job, Policy, World
 from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.resident import ResidentMemory
@@ -256,8 +258,12 @@ class Session:
              sink: Sink, name_for) -> CellResult:
         """``job`` through the supervisor; rank 0's results for the notebook.  ``stats`` follows
         the supervisor's states and gets the job's figures however it ends."""
+        history = job_metrics.HISTORY  # rank 0's taas.log scalars, drawn live in the cell
+        plot = LivePlot(sink, lambda: history.series(job.job_id, rank=0))
         supervisor = Supervisor(launcher, job, sink, name_for=name_for,
-                                on_state=lambda state: setattr(stats, "outcome", state.value))
+                                on_state=lambda state: setattr(stats, "outcome", state.value),
+                                on_metrics=lambda key, rows: plot.changed(
+                                    history.add(job.job_id, keys.rank_of(key), rows)))
         started = time.monotonic()
         try:
             outcome = supervisor.run()
@@ -272,6 +278,7 @@ class Session:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
             return results.load(results.decode(outcome.result))
         finally:
+            plot.close()
             big.close_fds()
             big.unlink(wait=False)  # a rank still running keeps its mapping
             stats.wall_s = time.monotonic() - started

@@ -36,7 +36,7 @@ from taas.job.analysis import compile_cell
 from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
 from taas.launch.process import events, report, stacks
-from taas.rank import comm, display, nccl, patches
+from taas.rank import comm, display, metrics, nccl, patches
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ def _setup(payload: Payload) -> None:
         # as the job's ranks on CPU (MULTI_CPU) instead of one process each.
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     patches.install(payload.device)
+    metrics.install()  # taas.log, and Trainers' logs, to the kernel
     if payload.backend == "nccl":  # a fault or a stop must not leave us spinning in a collective
         nccl.prepare_environment(os.environ)
         nccl.install_stop()
@@ -161,10 +162,13 @@ def _run_cell(payload: Payload, namespace: dict):
         payload.filename,
     )
     body, last = compile_cell(payload.source, payload.filename, payload.first_line)
-    exec(body, namespace)
-    if last is not None:
-        return eval(last, namespace)
-    return None
+    try:
+        exec(body, namespace)
+        if last is not None:
+            return eval(last, namespace)
+        return None
+    finally:
+        metrics.flush()  # every row the cell logged reaches the kernel before "done"
 
 
 def _teardown(done: bool = False) -> None:

@@ -11,6 +11,7 @@ ignored: it never fails the job, and the job's output and results still arrive.
     stack     where a rank is, asked for (taas.launch.process.stacks)           -> :class:`Stack`
     up        a rank started the cell's preamble (--stall counts from all up)   -> :class:`Up`
     done      a rank ran the cell to its end and sent all it had                -> :class:`Done`
+    metrics   rows a rank's ``taas.log`` recorded (taas.rank.metrics)            -> :class:`Metrics`
     comm      how many operations a rank made on its process groups             -> :class:`Comm`
     data.*    the data plane's figures (progress, prefetch, stats)              -> :class:`DataFigure`
 """
@@ -66,7 +67,14 @@ class DataFigure:
     message: dict[str, Any]
 
 
-Message = Display | Stack | Up | Done | Comm | DataFigure
+@dataclass(frozen=True)
+class Metrics:
+    """Rows a rank logged (:mod:`taas.rank.metrics`): each ``(step, {name: finite number})``."""
+
+    rows: tuple[tuple[int, dict[str, float]], ...]
+
+
+Message = Display | Stack | Up | Done | Comm | DataFigure | Metrics
 
 
 class Malformed(ValueError):
@@ -140,12 +148,24 @@ def _data(m: dict) -> DataFigure:
     return DataFigure(m["kind"], m)
 
 
+def _metric_row(row: Any) -> bool:
+    return (isinstance(row, list) and len(row) == 2 and _int(row[0]) and isinstance(row[1], dict)
+            and all(isinstance(k, str) and _number(v) for k, v in row[1].items()))
+
+
+def _metrics(m: dict) -> Metrics:
+    rows = _field(m, "rows", lambda v: isinstance(v, list) and all(_metric_row(r) for r in v),
+                  "a list of [step, {name: number}] rows")
+    return Metrics(tuple((step, values) for step, values in rows))
+
+
 _READERS: dict[str, Callable[[dict], Message]] = {
     "display": _display,
     "stack": _stack,
     "up": lambda m: Up(),
     "done": lambda m: Done(),
     "comm": _comm,
+    "metrics": _metrics,
 }
 
 

@@ -54,15 +54,17 @@ class Outcome:
 class Supervisor:
     """Runs one job to its end (:meth:`run`), attempt after attempt, on ``launcher``; output,
     displays and progress go to ``sink``; ``name_for`` names the cell's file in tracebacks;
-    ``on_state`` hears every state the job enters."""
+    ``on_state`` hears every state the job enters; ``on_metrics(key, rows)`` every batch of rows a
+    rank's ``taas.log`` sent (events.Metrics)."""
 
-    def __init__(self, launcher, job: Job, sink, *, name_for=None, on_state=None):
+    def __init__(self, launcher, job: Job, sink, *, name_for=None, on_state=None, on_metrics=None):
         self.launcher = launcher
         self.job = job
         self.sink = sink
         self.name_for = name_for
         self.machine = Machine(job.policy.max_restarts, has_loaders=job.data is not None)
         self.on_state = on_state or (lambda state: None)  # the session's status line
+        self.on_metrics = on_metrics or (lambda key, rows: None)  # the session's history and plot
         self.outcome = Outcome()
 
     def transition(self, event: Ev) -> State:
@@ -260,6 +262,8 @@ class Watch:
             self.supervisor.outcome.comm_ops[key] = message.ops
         elif isinstance(message, events.DataFigure):
             self._data_figure(key, message)
+        elif isinstance(message, events.Metrics):
+            self.supervisor.on_metrics(key, message.rows)
 
     def _display(self, key: str, message: events.Display) -> None:
         if not hasattr(self.sink, "display"):

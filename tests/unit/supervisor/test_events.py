@@ -94,3 +94,20 @@ def test_an_empty_line_is_ignored_quietly(caplog):
     with caplog.at_level(logging.WARNING, logger="taas"):
         assert events.parse("rank0", "\n") is None
     assert caplog.records == []
+
+
+# -- metrics rows (taas.rank.metrics) -----------------------------------------------------------
+def test_metrics_rows_are_read():
+    message = events.parse("rank1", line(kind="metrics", rows=[[0, {"loss": 0.5}], [1, {"loss": 1, "acc": 0.25}]]))
+    assert message == events.Metrics(((0, {"loss": 0.5}), (1, {"loss": 1, "acc": 0.25})))
+
+
+@pytest.mark.parametrize("rows", [
+    None, 3, [[0]], [[0, {"loss": "high"}]], [[0.5, {"loss": 1.0}]], [["0", {}]], [[0, {"loss": True}]],
+    [[0, [1.0]]], [[0, {"loss": None}]],
+])
+def test_malformed_metrics_are_dropped(rows, caplog):
+    with caplog.at_level(logging.WARNING, logger="taas.supervisor.events"):
+        assert events.parse("rank0", line(kind="metrics", rows=rows)) is None
+    assert "ignored a line on rank0's events pipe" in caplog.text
+    assert events.parse("rank0", '{"kind": "metrics", "rows": [[0, {"x": NaN}]]}') is None

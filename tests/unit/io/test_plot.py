@@ -1,0 +1,133 @@
+"""taas.io.plot: decimation keeps the shape in bounded points; the live plot draws at most once
+an interval, in place, and once at the end where displays cannot update; no pyplot state."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import numpy as np
+
+from taas.io import plot
+
+
+def test_short_series_are_drawn_whole_without_nan():
+    x, y = plot.decimate([0, 1, 2, 3], [1.0, math.nan, 3.0, 4.0])
+    assert x.tolist() == [0, 2, 3] and y.tolist() == [1.0, 3.0, 4.0]
+
+
+def test_long_series_keep_at_most_max_points_and_their_extremes():
+    n = 100_000
+    steps = np.arange(n)
+    values = np.sin(steps / 1000.0)
+    values[54_321] = 50.0  # a spike
+    values[7] = -50.0
+    x, y = plot.decimate(steps, values, max_points=2000)
+    assert len(x) <= 2000 and len(x) > 1000
+    assert 50.0 in y and -50.0 in y
+    assert np.all(np.diff(x) > 0)  # in order
+    assert x[0] == 0 and x[-1] >= n - 100
+
+
+def test_render_is_a_png_and_leaves_pyplot_alone():
+    had_pyplot = "matplotlib.pyplot" in sys.modules
+    series = {f"m{i}": ([0, 1, 2], [1.0, 2.0, math.nan]) for i in range(11)}
+    png = plot.render(series, "title")
+    assert png.startswith(b"\x89PNG")
+    assert ("matplotlib.pyplot" in sys.modules) == had_pyplot
+
+
+def test_summary_names_each_last_value():
+    assert plot.summary({"loss": ([0, 1, 2], [1.0, 0.5, math.nan]), "acc": ([3], [0.25])}) == \
+        "loss 0.5 (step 1), acc 0.25 (step 3)"
+
+
+class LiveSink:
+    def __init__(self, in_place=True):
+        self.updates_in_place = in_place
+        self.calls = []
+
+    def live(self, name, data, metadata, final):
+        self.calls.append((name, final, data["text/plain"]))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def drawn(live):
+    """Wait for the drawing in flight (the plot draws in a thread of its own)."""
+    if live._drawing is not None:
+        live._drawing.join()
+
+
+def test_live_plot_draws_at_most_once_an_interval_then_once_at_the_end():
+    sink, clock = LiveSink(), Clock()
+    data = {"loss": ([0], [1.0])}
+    live = plot.LivePlot(sink, lambda: data, title="t", interval=1.0, clock=clock)
+    live.changed()  # starts a drawing
+    drawn(live)
+    assert sink.calls == []  # shown by the caller's thread, at its next call
+    data["loss"] = ([0, 1], [1.0, 0.5])
+    clock.now += 0.5
+    live.changed()  # shows the first; too soon for the next
+    assert [final for _, final, _ in sink.calls] == [False] and live._drawing is None
+    clock.now += 0.6
+    live.changed()  # the next drawing starts
+    drawn(live)
+    live.close()  # (the one in flight is not shown: the final state replaces it)
+    assert [final for _, final, _ in sink.calls] == [False, True]
+    assert sink.calls[0][2] == "t: loss 1 (step 0)" and sink.calls[-1][2] == "t: loss 0.5 (step 1)"
+
+
+def test_slow_drawing_is_spaced_out(monkeypatch):
+    sink, clock = LiveSink(), Clock()
+    live = plot.LivePlot(sink, lambda: {"loss": ([0], [1.0])}, interval=1.0, clock=clock)
+    monkeypatch.setattr(time, "monotonic", iter([0.0, 3.0]).__next__)  # a drawing that took 3 s
+    live.changed()
+    drawn(live)
+    monkeypatch.undo()
+    live.changed()
+    assert live.next_at == clock.now + 15.0
+
+
+def test_where_displays_cannot_update_the_plot_is_drawn_once_at_the_end():
+    sink = LiveSink(in_place=False)
+    live = plot.LivePlot(sink, lambda: {"loss": ([0], [1.0])}, clock=Clock())
+    for _ in range(5):
+        live.changed()
+    live.close()
+    assert [final for _, final, _ in sink.calls] == [True]
+
+
+def test_a_text_only_sink_gets_one_line_and_nothing_logged_nothing_shown():
+    class TextSink:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, stream, text):
+            self.lines.append((stream, text))
+
+    sink = TextSink()
+    live = plot.LivePlot(sink, lambda: {"loss": ([4], [0.125])})
+    live.close()
+    assert sink.lines == []  # no rows came
+    live.changed()
+    live.close()
+    assert sink.lines == [("stderr", "taas: metrics of rank 0: loss 0.125 (step 4); taas.metrics() has every row\n")]
+
+
+def test_a_failing_draw_never_fails_the_job():
+    class Refusing(LiveSink):
+        def live(self, *args):
+            raise ValueError("no")
+
+    live = plot.LivePlot(Refusing(), lambda: {"loss": ([0], [1.0])}, clock=Clock())
+    live.changed()
+    live.changed()
+    live.close()
