@@ -8,9 +8,16 @@ board turns that into rows (:mod:`taas.io.panel`) and shows them:
   such as JupyterLab), from :data:`DELAY` seconds into the job, one block refreshed every
   :data:`EVERY` second (``sink.panel(bundle, metadata, final)``), which gives way to the one-line
   summary when the job ends;
-* elsewhere (a terminal, nbconvert, nbval: displays cannot update there) as text written to
-  stderr, first after :data:`TEXT_DELAY` seconds and at most every :data:`TEXT_EVERY` --
-  nothing at all for shorter jobs, so a saved notebook's outputs stay as they were.
+* in a terminal (a sink without ``panel``: terminal IPython, plain Python) as text written to
+  stderr, first after :data:`TEXT_DELAY` seconds and at most every :data:`TEXT_EVERY`;
+* in a notebook run by a batch runner (a sink with ``panel`` that does not update in place:
+  nbconvert, nbclient, nbval, papermill keep a display's last state and save the cell's
+  outputs) as text too, but only when no process printed anything for :data:`SAVED_SILENCE`
+  seconds, and at most that often: a saved notebook of a job that keeps printing (every
+  example under ``examples/``, compared by nbval) stays as it was, while one that goes quiet
+  says where its ranks are.
+
+Nothing at all for jobs shorter than those delays.
 
 Pure logic over a sink and a clock (both injectable): tests drive it as data.
 """
@@ -27,6 +34,7 @@ DELAY = 2.0  # seconds into a job before a live panel appears (short cells never
 EVERY = 1.0  # seconds between refreshes of a live panel
 TEXT_DELAY = 10.0  # seconds into a job before the panel is printed as text
 TEXT_EVERY = 10.0  # seconds between two printed panels
+SAVED_SILENCE = 30.0  # seconds without output before a batch-run notebook gets a printed panel
 METADATA = {"taas": {"panel": True}}  # marks the panel's display among the cell's outputs
 
 
@@ -55,11 +63,18 @@ class Board:
     """One attempt's panel: its processes' figures (fed by the supervisor) and its display."""
 
     def __init__(self, sink, keys, *, clock=time.monotonic, delay: float = DELAY,
-                 every: float = EVERY, text_delay: float = TEXT_DELAY, text_every: float = TEXT_EVERY):
+                 every: float = EVERY, text_delay: float = TEXT_DELAY, text_every: float = TEXT_EVERY,
+                 saved_silence: float = SAVED_SILENCE):
         self.sink, self.clock = sink, clock
-        self.live = callable(getattr(sink, "panel", None)) and bool(getattr(sink, "updates_in_place", False))
-        self.delay, self.every = (delay, every) if self.live else (text_delay, text_every)
+        notebook = callable(getattr(sink, "panel", None))
+        self.live = notebook and bool(getattr(sink, "updates_in_place", False))
+        self.saved = notebook and not self.live  # a batch runner saves what the cell shows
+        if self.live:
+            self.delay, self.every = delay, every
+        else:
+            self.delay, self.every = (saved_silence, saved_silence) if self.saved else (text_delay, text_every)
         self.started = clock()
+        self.output_at = self.started  # any process's latest output (a batch run's silence)
         self.shown_at: float | None = None  # when it was last shown (None: never)
         self.ranks = {k: _Rank() for k in sorted(keys, key=names.order) if names.is_rank(k)}
         self.workers = {k: _Worker() for k in sorted(keys, key=names.order)
@@ -67,9 +82,10 @@ class Board:
 
     # -- what the supervisor hears --------------------------------------------------------------
     def output(self, key: str) -> None:
+        self.output_at = self.clock()
         rank = self.ranks.get(key)
         if rank is not None:
-            rank.output_at = self.clock()
+            rank.output_at = self.output_at
 
     def beat(self, key: str, beat) -> None:
         """A rank's ``beat`` (:class:`taas.supervisor.events.Beat`, read by its fields)."""
@@ -108,7 +124,7 @@ class Board:
     def tick(self) -> None:
         """Show the panel if it is due."""
         now = self.clock()
-        if now - self.started < self.delay:
+        if now - (self.output_at if self.saved else self.started) < self.delay:
             return
         if self.shown_at is not None and now - self.shown_at < self.every:
             return

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import html
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 GROUP_OVER = 16  # more ranks than this: one row per node
@@ -89,7 +90,7 @@ def counts(states) -> str:
 
 
 # -- the table ------------------------------------------------------------------------------
-def grouped(ranks: list[RankRow]) -> list[RankRow] | list[NodeRow]:
+def grouped(ranks: list[RankRow]) -> Sequence[RankRow | NodeRow]:
     """The ranks as rows: one each, or one per node when there are more than GROUP_OVER."""
     if len(ranks) <= GROUP_OVER:
         return ranks
@@ -132,7 +133,7 @@ def _node_cells(row: NodeRow, gpu: bool) -> list[str]:
     return cells
 
 
-def table(ranks: list[RankRow], loaders: list[LoaderRow] = ()) -> tuple[list[str], list[list[str]], list[list[str]]]:
+def table(ranks: list[RankRow], loaders: Sequence[LoaderRow] = ()) -> tuple[list[str], list[list[str]], list[list[str]]]:
     """(header, rank or node rows, loader rows) as cells of text."""
     gpu = _gpu(ranks)
     rows = grouped(ranks)
@@ -144,7 +145,7 @@ def table(ranks: list[RankRow], loaders: list[LoaderRow] = ()) -> tuple[list[str
     return header, body, tail
 
 
-def text(title: str, ranks: list[RankRow], loaders: list[LoaderRow] = ()) -> str:
+def text(title: str, ranks: list[RankRow], loaders: Sequence[LoaderRow] = ()) -> str:
     """The panel as plain text: the title, then aligned columns (a terminal, nbconvert)."""
     header, body, tail = table(ranks, loaders)
     widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
@@ -175,7 +176,7 @@ def _html_row(cells: list[str], tag: str = "td", state: str | None = None) -> st
     return "<tr>" + "".join(out) + "</tr>"
 
 
-def as_html(title: str, ranks: list[RankRow], loaders: list[LoaderRow] = ()) -> str:
+def as_html(title: str, ranks: list[RankRow], loaders: Sequence[LoaderRow] = ()) -> str:
     """The panel as an HTML table (a notebook's display, updated in place)."""
     header, body, tail = table(ranks, loaders)
     rows = grouped(ranks)

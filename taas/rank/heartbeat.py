@@ -7,8 +7,8 @@ thread (:func:`start`) samples, once a second:
     state     starting (before the cell), running, or waiting (in a torch.distributed call, or
               for a registered loader's next unit)
     line      the innermost line of the cell the main thread is at (None: not in the cell)
-    call      the function it is in: the torch.distributed call it waits in, else the innermost
-              function outside taas
+    call      the torch.distributed call it waits in (``all_reduce``), else the cell's function
+              it is in (``train_step``), or at the cell's top level the function that line called
     cpu, rss  this process's CPU % since the last beat and its resident memory (psutil)
     gpu_mem   bytes torch allocated on this rank's GPU (None on CPU, or before CUDA is used)
     gpu_util  the GPU's utilisation % from NVML (None where NVML is not installed)
@@ -29,7 +29,9 @@ from taas.launch.process import events
 from taas.launch.process.report import _internal
 
 INTERVAL = 1.0  # seconds between beats
-_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+# torch.distributed's collectives and point-to-point calls live here (their decorators in
+# c10d_logger.py wrap them: the first frame in this file is the call the user made).
+_C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
 _VIEW = os.path.join("taas", "data", "view.py")
 _running = threading.Event()  # the cell has started
 _stop = threading.Event()
@@ -38,6 +40,7 @@ _stop = threading.Event()
 def start(filename: str, device: str) -> None:
     """Beat from now on (call it from the rank's main thread); ``filename`` is the cell's."""
     _stop.clear()
+    _running.clear()
     main = threading.get_ident()
     threading.Thread(target=_beat, args=(main, filename, device), name="taas-heartbeat",
                      daemon=True).start()
@@ -108,8 +111,8 @@ class Sampler:
 
 def where(thread_id: int, filename: str) -> tuple[str, int | None, str]:
     """(state, cell line, call) of thread ``thread_id`` now: ``waiting`` in a torch.distributed
-    call (the outermost one is the call the user made: ``all_reduce``, not its wrappers) or in
-    a loader view's wait for data; else ``running`` in its innermost function outside taas."""
+    call (``all_reduce``, not its wrappers) or in a loader view's wait for data; else
+    ``running``, and the function the rank is in (see below)."""
     frame = sys._current_frames().get(thread_id)
     stack = []
     while frame is not None:
@@ -122,13 +125,20 @@ def where(thread_id: int, filename: str) -> tuple[str, int | None, str]:
             line = f.f_lineno
     for f in stack:
         name = f.f_code.co_filename
-        if _DISTRIBUTED in name:
+        if name.endswith(_C10D):
             return "waiting", line, f.f_code.co_name
         if name.endswith(_VIEW) and f.f_code.co_name in ("first", "_await_prefetch"):
             return "waiting", line, "data"  # a registered loader's next unit is not here yet
+    # The function of the cell the rank is in (``train_step``); at the cell's top level, the
+    # function that line called (``fit``): what the user wrote, not a library's innards.
     outside = [f for f in stack if not _internal(f.f_code.co_filename)]
-    call = outside[-1].f_code.co_name if outside else ""
-    return "running", line, "" if call == "<module>" else call
+    cell = [i for i, f in enumerate(outside) if f.f_code.co_filename == filename]
+    if not cell:
+        return "running", line, outside[-1].f_code.co_name if outside else ""
+    call = outside[cell[-1]].f_code.co_name
+    if call == "<module>":
+        call = outside[cell[-1] + 1].f_code.co_name if cell[-1] + 1 < len(outside) else ""
+    return "running", line, call
 
 
 def _data_figures() -> dict:
