@@ -133,7 +133,10 @@ def _node_cells(row: NodeRow, gpu: bool) -> list[str]:
     return cells
 
 
-def table(ranks: list[RankRow], loaders: Sequence[LoaderRow] = ()) -> tuple[list[str], list[list[str]], list[list[str]]]:
+Cells = list[list[str]]
+
+
+def table(ranks: list[RankRow], loaders: Sequence[LoaderRow] = ()) -> tuple[list[str], Cells, Cells]:
     """(header, rank or node rows, loader rows) as cells of text."""
     gpu = _gpu(ranks)
     rows = grouped(ranks)
