@@ -163,8 +163,8 @@ def text(title: str, ranks: list[RankRow], loaders: Sequence[LoaderRow] = ()) ->
     return "\n".join(out) + "\n"
 
 
-_STYLE = ("font-family: var(--jp-code-font-family, monospace); font-size: 12px; "
-          "border-collapse: collapse")
+_FONT = "font-family: var(--jp-code-font-family, monospace); font-size: 12px"
+_STYLE = _FONT + "; border-collapse: collapse"
 _CELL = "padding: 1px 8px; text-align: left; white-space: nowrap"
 _COLOURS = {"failed": "#c62828", "waiting": "#b26a00", "done": "#2e7d32", "stopped": "#757575"}
 
@@ -184,7 +184,8 @@ def as_html(title: str, ranks: list[RankRow], loaders: Sequence[LoaderRow] = ())
     header, body, tail = table(ranks, loaders)
     rows = grouped(ranks)
     states = [r.state if isinstance(r, RankRow) else None for r in rows]
-    parts = [f'<div class="taas-panel"><div style="{_CELL}; padding-left: 0">{html.escape(title)}</div>',
+    parts = [f'<div class="taas-panel" style="{_FONT}">',
+             f'<div style="{_CELL}; padding-left: 0">{html.escape(title)}</div>',
              f'<table style="{_STYLE}">', _html_row(header, "th")]
     parts += [_html_row(cells, state=state) for cells, state in zip(body, states)]
     parts += [_html_row(cells + [""] * (len(header) - len(cells)), state=r.state)
