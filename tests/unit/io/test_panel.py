@@ -63,7 +63,7 @@ def test_loader_workers_rows():
 def test_html_is_a_table_and_escapes_what_it_shows():
     html = panel.as_html("taas: <2> ranks", [rank(0, call="<lambda>"), rank(1, state="failed")],
                          [LoaderRow("loader:train:0", "loading", 3, 0.5)])
-    assert html.startswith('<div class="taas-panel">') and html.count("<tr>") == 4
+    assert html.startswith('<div class="taas-panel"') and html.count("<tr>") == 4
     assert "&lt;lambda&gt;" in html and "<lambda>" not in html and "&lt;2&gt;" in html
     assert "#c62828" in html  # a failed rank stands out
 
