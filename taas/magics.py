@@ -50,9 +50,13 @@ class NotebookSink:
     """Where a job's output goes in a notebook: the cell's streams, progress lines updated in
     place (a display per process), and rank 0's display data."""
 
-    def __init__(self) -> None:
+    def __init__(self, updates_in_place: bool = True) -> None:
         self._progress: dict[tuple[str, str], object] = {}
         self._last = None  # the stream written last
+        # The live rank panel (taas.io.board) is a display updated in place only where the
+        # front end shows updates as they come; elsewhere it is printed text, and rarely.
+        self.updates_in_place = updates_in_place
+        self._panel = None  # the panel's display handle
 
     def write(self, stream: str, text: str) -> None:
         target = sys.stdout if stream == "stdout" else sys.stderr
@@ -93,6 +97,17 @@ class NotebookSink:
         if final:
             del handles[name]
 
+    def panel(self, bundle: dict, metadata: dict, final: bool) -> None:
+        """Show (then update in place) the live rank panel; ``final``: its last state."""
+        if self._panel is None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self._panel = display(bundle, raw=True, metadata=metadata, display_id=True)
+        else:
+            self._panel.update(bundle, raw=True, metadata=metadata)
+        if final:
+            self._panel = None
+
 
 @magics_class
 class TaasMagics(Magics):
@@ -114,7 +129,11 @@ class TaasMagics(Magics):
         log.debug("parsed options: %s", options)
         # Register the whole cell with IPython so tracebacks say "Cell In[7], line 4".
         filename = shell.compile.cache(f"%%taas {line}\n{cell}", shell.execution_count)
-        sink = NotebookSink() if getattr(shell, "kernel", None) is not None else None
+        kernel = getattr(shell, "kernel", None)
+        # An interactive front end (JupyterLab, Notebook, VS Code) asks with allow_stdin; batch
+        # runners (nbconvert, nbclient, nbval, papermill) do not, and keep only a display's
+        # last state: they get the panel as text, and only for long jobs (taas.io.board).
+        sink = NotebookSink(bool(getattr(kernel, "_allow_stdin", False))) if kernel is not None else None
         try:
             result = self.session.run_cell(
                 cell, shell.user_ns, options, filename=filename, first_line=2, sink=sink,

@@ -36,7 +36,7 @@ from taas.job.analysis import compile_cell
 from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
 from taas.launch.process import events, report, stacks
-from taas.rank import comm, display, metrics, nccl, patches
+from taas.rank import comm, display, heartbeat, metrics, nccl, patches
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ def main(spec) -> int:
                   ", ".join(payload.loaders) or "none")
         stacks.start(job_dir, key, payload.filename)  # where this rank is, when the kernel asks
         events.send("up")  # the supervisor's --stall clock starts once every rank is up
+        heartbeat.start(payload.filename, payload.device)  # the kernel's live rank panel
         if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
             print(f"taas: warning: {os.environ['TAAS_STORAGE_WARNING']}", file=sys.stderr)
         _setup(payload)
@@ -67,6 +68,7 @@ def main(spec) -> int:
         )
         namespace.setdefault("get_ipython", crossing.get_ipython)
         _install_data_views(payload, namespace)
+        heartbeat.running()
         out = _run_cell(payload, namespace)
         comm.report()
         log.debug("cell done on rank %d", rank)
@@ -181,6 +183,7 @@ def _teardown(done: bool = False) -> None:
     views = sys.modules.get("taas.data.view")
     if views is not None:  # first: loader workers must not wait for a rank that is leaving
         views.close_views()
+    heartbeat.stop()
     sys.stdout.flush()
     sys.stderr.flush()
     if done:

@@ -14,6 +14,7 @@ ignored: it never fails the job, and the job's output and results still arrive.
     metrics   rows a rank's ``taas.log`` recorded (taas.rank.metrics)            -> :class:`Metrics`
     comm      how many operations a rank made on its process groups             -> :class:`Comm`
     data.*    the data plane's figures (progress, prefetch, stats)              -> :class:`DataFigure`
+    beat      a rank's figures every second, for the live panel (taas.rank.heartbeat) -> :class:`Beat`
 """
 
 from __future__ import annotations
@@ -74,7 +75,22 @@ class Metrics:
     rows: tuple[tuple[int, dict[str, float]], ...]
 
 
-Message = Display | Stack | Up | Done | Comm | DataFigure | Metrics
+@dataclass(frozen=True)
+class Beat:
+    """What a rank is doing now (:mod:`taas.rank.heartbeat`), for the live panel."""
+
+    state: str  # starting | running | waiting
+    line: int | None  # the cell line it is at (None: not in the cell)
+    call: str  # the function it is in ("" at the cell's top level)
+    node: int  # GROUP_RANK
+    cpu: float  # % since the last beat
+    rss: int  # bytes
+    gpu_mem: int | None  # bytes torch allocated on its GPU (None: no CUDA)
+    gpu_util: int | None  # % (None: unknown)
+    data: tuple[tuple[str, int, float], ...] = ()  # (loader, units taken, seconds waited)
+
+
+Message = Display | Stack | Up | Done | Comm | DataFigure | Metrics | Beat
 
 
 class Malformed(ValueError):
@@ -127,6 +143,31 @@ def _comm(m: dict) -> Comm:
     return Comm(_field(m, "ops", lambda v: v is None or _int(v), "a count"))
 
 
+BEAT_STATES = ("starting", "running", "waiting")
+
+
+def _beat(m: dict) -> Beat:
+    def count_or_none(v: Any) -> bool:
+        return v is None or (_int(v) and v >= 0)
+
+    def figures(v: Any) -> bool:  # loader -> [units, seconds waited]
+        return isinstance(v, dict) and all(
+            isinstance(f, list) and len(f) == 2 and _int(f[0]) and _number(f[1]) for f in v.values())
+
+    data = _field(m, "data", figures, "loader figures", {})
+    return Beat(
+        state=_field(m, "state", lambda v: v in BEAT_STATES, f"one of {', '.join(BEAT_STATES)}"),
+        line=_field(m, "line", lambda v: v is None or _int(v), "a line number", None),
+        call=_field(m, "call", lambda v: isinstance(v, str), "a string", ""),
+        node=_field(m, "node", lambda v: _int(v) and v >= 0, "a node number", 0),
+        cpu=float(_field(m, "cpu", lambda v: _number(v) and v >= 0, "a percentage", 0.0)),
+        rss=_field(m, "rss", lambda v: _int(v) and v >= 0, "a count", 0),
+        gpu_mem=_field(m, "gpu_mem", count_or_none, "a count", None),
+        gpu_util=_field(m, "gpu_util", count_or_none, "a percentage", None),
+        data=tuple((name, units, float(wait)) for name, (units, wait) in data.items()),
+    )
+
+
 # The fields of each data-plane figure that the plane reads (taas/data/plane.py: on_event and
 # summary; written by taas/data/loader_worker.py and taas/data/view.py): name -> (check, what,
 # default; ... for a field that must be there).
@@ -166,6 +207,7 @@ _READERS: dict[str, Callable[[dict], Message]] = {
     "done": lambda m: Done(),
     "comm": _comm,
     "metrics": _metrics,
+    "beat": _beat,
 }
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from taas.errors import JobFailed, LaunchError
 from taas.io import failure
+from taas.io.board import Board
 from taas.io import keys as names
 from taas.io.output import LineSplitter, OutputRouter
 from taas.job.api import PAYLOAD, Job
@@ -193,6 +194,7 @@ class Watch:
         self.last_output = time.monotonic()
         self.stalled = False  # this silence was reported already
         self.finishing = False  # every rank said "done": the rest of their exit is ours to cut short
+        self.board = Board(self.sink, self.keys)  # the live rank panel (taas.io.board)
 
     @property
     def stopping(self) -> bool:
@@ -204,6 +206,7 @@ class Watch:
             while len(self.ends) < len(self.keys):
                 self.deliver(self.handle.events(POLL))
                 self.router.tick()
+                self.board.tick()
                 if self._finish():
                     continue
                 self._check_stall()
@@ -212,6 +215,8 @@ class Watch:
         except KeyboardInterrupt as exc:
             self._interrupted(exc)
             raise
+        finally:
+            self.board.close()  # the panel gives way to its summary line, however the attempt ends
         self.router.close()
         return self.ends
 
@@ -221,6 +226,7 @@ class Watch:
                 self._exited(item)
             elif item.stream != "events":
                 self.last_output, self.stalled = time.monotonic(), False
+                self.board.output(item.key)
                 self.router.feed(item.key, item.stream, item.data)
             else:
                 splitter = self.lines.setdefault(item.key, LineSplitter(max_line=None))
@@ -241,6 +247,7 @@ class Watch:
             # stopped while it loaded a unit no rank will read, too).
             code = 0
         self.ends[event.key] = failure.ProcessEnd(event.key, code, time.time(), stopped=self.stopping)
+        self.board.exited(event.key, code, stopped=self.stopping)
         log.debug("%s exited with %d", event.key, event.returncode)
         if code != 0 and not self.stopping:
             self.supervisor.transition(Ev.FAILURE)
@@ -252,8 +259,11 @@ class Watch:
             self._display(key, message)
         elif isinstance(message, events.Stack):
             self.stacks[key] = message
+        elif isinstance(message, events.Beat):
+            self.board.beat(key, message)
         elif isinstance(message, events.Done):
             self.done.add(key)
+            self.board.done(key)
         elif isinstance(message, events.Up):
             self.up.add(key)
             if self.up_at is None and all(k in self.up for k in self.ranks):
@@ -274,6 +284,8 @@ class Watch:
             log.warning("ignored a display from %s the notebook cannot show: %s", key, exc)
 
     def _data_figure(self, key: str, message: events.DataFigure) -> None:
+        if message.kind == "data.progress":  # checked by events.parse: worker and produced are ints
+            self.board.loader(key, message.message["produced"], message.message.get("done") is True)
         plane = self.job.data
         if plane is None:
             return

@@ -93,7 +93,7 @@ def test_cell(notebook, number, request):
     cell = _CELLS[number]
     if number > 0 and number - 1 not in notebook.ran:
         pytest.fail("an earlier cell did not run; see its failure")
-    run = notebook.kernel.run(cell.source)
+    run = notebook.kernel.run(cell.source, batch=True)  # as nbval sends it (the panel: taas.io.board)
     outputs = _outputs(run.messages)
     count = next((m["content"]["execution_count"] for m in run.messages
                   if m["msg_type"] == "execute_input"), None)

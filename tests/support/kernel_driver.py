@@ -47,6 +47,10 @@ class CellRun:
     error: dict | None = None  # ename, evalue, traceback
     result: str | None = None  # execute_result text/plain
     displays: list = field(default_factory=list)
+    # The live rank panel's display messages (marked in their metadata, taas.io.board.METADATA),
+    # kept apart from the cell's own displays and progress lines: it shows on any job that runs
+    # past a couple of seconds, whatever the cell does.
+    panels: list = field(default_factory=list)
     status: str = ""
     messages: list = field(default_factory=list)  # every iopub message of the cell, in order
 
@@ -96,9 +100,10 @@ class Kernel:
     # machine is.  Bounds the product promises (stop within 5 s) are asserted by the tests.
     CELL_TIMEOUT = 600.0
 
-    def execute(self, code: str) -> str:
-        """Send ``code`` for execution without waiting; its msg_id, for :meth:`reply`."""
-        return self.kc.execute(code)
+    def execute(self, code: str, batch: bool = False) -> str:
+        """Send ``code`` for execution without waiting; its msg_id, for :meth:`reply`.
+        ``batch``: as nbval and nbconvert send it (no stdin), not as JupyterLab does."""
+        return self.kc.execute(code, allow_stdin=False if batch else None)
 
     def reply(self, msg_id: str, timeout: float = CELL_TIMEOUT) -> dict:
         """The shell reply to request ``msg_id`` (see :func:`_answers`)."""
@@ -106,8 +111,8 @@ class Kernel:
             return msg
         raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
 
-    def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None) -> CellRun:
-        msg_id = self.execute(code)
+    def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None, batch: bool = False) -> CellRun:
+        msg_id = self.execute(code, batch)
         out = CellRun()
         for msg in _answers(self.kc.get_iopub_msg, msg_id, timeout):
             out.messages.append(msg)
@@ -124,7 +129,8 @@ class Kernel:
             elif kind == "execute_result":
                 out.result = content["data"].get("text/plain")
             elif kind in ("display_data", "update_display_data"):
-                out.displays.append((kind, content["data"]))
+                panel = (content.get("metadata") or {}).get("taas", {}).get("panel")
+                (out.panels if panel else out.displays).append((kind, content["data"]))
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         else:  # no idle status in time

@@ -1,0 +1,148 @@
+"""A rank's heartbeat: every second, one ``beat`` event saying what the rank is doing now.
+
+The kernel's live rank panel (:mod:`taas.io.panel`) is drawn from these beats, so it works
+wherever the events pipe reaches the kernel (one machine or a cluster's nodes).  A daemon
+thread (:func:`start`) samples, once a second:
+
+    state     starting (before the cell), running, or waiting (in a torch.distributed call, or
+              for a registered loader's next unit)
+    line      the innermost line of the cell the main thread is at (None: not in the cell)
+    call      the torch.distributed call it waits in (``all_reduce``), else the cell's function
+              it is in (``train_step``), or at the cell's top level the function that line called
+    cpu, rss  this process's CPU % since the last beat and its resident memory (psutil)
+    gpu_mem   bytes torch allocated on this rank's GPU (None on CPU, or before CUDA is used)
+    gpu_util  the GPU's utilisation % from NVML (None where NVML is not installed)
+    data      loader name -> [units taken, seconds waited] of this rank's views
+    node      GROUP_RANK: the panel groups ranks per node when there are many
+
+Everything here is cheap (a frame walk and two psutil reads: well under a millisecond) and
+nothing here stops or slows the main thread; a sample that fails is skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from taas.launch.process import events
+from taas.launch.process.report import _internal
+
+INTERVAL = 1.0  # seconds between beats
+# torch.distributed's collectives and point-to-point calls live here (their decorators in
+# c10d_logger.py wrap them: the first frame in this file is the call the user made).
+_C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
+_VIEW = os.path.join("taas", "data", "view.py")
+_running = threading.Event()  # the cell has started
+_stop = threading.Event()
+
+
+def start(filename: str, device: str) -> None:
+    """Beat from now on (call it from the rank's main thread); ``filename`` is the cell's."""
+    _stop.clear()
+    _running.clear()
+    main = threading.get_ident()
+    threading.Thread(target=_beat, args=(main, filename, device), name="taas-heartbeat",
+                     daemon=True).start()
+
+
+def running() -> None:
+    """The cell starts now: beats say ``running`` (or ``waiting``) from here on."""
+    _running.set()
+
+
+def stop() -> None:
+    """No beats after this (the rank is done: the kernel's panel says so from its own events)."""
+    _stop.set()
+
+
+def _beat(main: int, filename: str, device: str) -> None:
+    sampler = Sampler(main, filename, device)
+    while not _stop.is_set():
+        try:
+            fields = sampler.sample()
+        except Exception:  # psutil or torch failed once: no beat this second, try again
+            fields = None
+        if fields is not None and not _stop.is_set():
+            events.send("beat", **fields)
+        _stop.wait(INTERVAL)
+
+
+class Sampler:
+    """One rank's figures, sampled on demand (:meth:`sample`)."""
+
+    def __init__(self, main: int, filename: str, device: str):
+        import psutil
+
+        self.main, self.filename = main, filename
+        self.process = psutil.Process()
+        self.process.cpu_percent(None)  # the first reading only starts the measure
+        self.gpu = int(os.environ.get("LOCAL_RANK", "0")) if device == "cuda" else None
+        self.nvml = self.gpu is not None  # turned off at the first failure
+        self.node = int(os.environ.get("GROUP_RANK", "0") or 0)
+
+    def sample(self) -> dict:
+        state, line, call = where(self.main, self.filename)
+        if not _running.is_set() and call != "data":  # waiting for the first slice stays "waiting"
+            state = "starting"
+        return {"state": state, "line": line, "call": call, "node": self.node,
+                "cpu": round(self.process.cpu_percent(None), 1),
+                "rss": self.process.memory_info().rss,
+                "gpu_mem": self._gpu_memory(), "gpu_util": self._gpu_utilisation(),
+                "data": _data_figures()}
+
+    def _gpu_memory(self) -> int | None:
+        torch = sys.modules.get("torch")
+        if self.gpu is None or torch is None or not torch.cuda.is_initialized():
+            return None  # never initialise CUDA from here
+        # The device explicitly: this thread's current device is not the main thread's.
+        return int(torch.cuda.memory_allocated(self.gpu))
+
+    def _gpu_utilisation(self) -> int | None:
+        torch = sys.modules.get("torch")
+        if not self.nvml or torch is None:
+            return None
+        try:
+            return int(torch.cuda.utilization(self.gpu))
+        except Exception:  # no pynvml (or no NVML library): blank from now on
+            self.nvml = False
+            return None
+
+
+def where(thread_id: int, filename: str) -> tuple[str, int | None, str]:
+    """(state, cell line, call) of thread ``thread_id`` now: ``waiting`` in a torch.distributed
+    call (``all_reduce``, not its wrappers) or in a loader view's wait for data; else
+    ``running``, and the function the rank is in (see below)."""
+    frame = sys._current_frames().get(thread_id)
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    stack.reverse()  # outermost first
+    line = None
+    for f in stack:
+        if f.f_code.co_filename == filename:
+            line = f.f_lineno
+    for f in stack:
+        name = f.f_code.co_filename
+        if name.endswith(_C10D):
+            return "waiting", line, f.f_code.co_name
+        if name.endswith(_VIEW) and f.f_code.co_name in ("first", "_await_prefetch"):
+            return "waiting", line, "data"  # a registered loader's next unit is not here yet
+    # The function of the cell the rank is in (``train_step``); at the cell's top level, the
+    # function that line called (``fit``): what the user wrote, not a library's innards.
+    outside = [f for f in stack if not _internal(f.f_code.co_filename)]
+    cell = [i for i, f in enumerate(outside) if f.f_code.co_filename == filename]
+    if not cell:
+        return "running", line, outside[-1].f_code.co_name if outside else ""
+    call = outside[cell[-1]].f_code.co_name
+    if call == "<module>":
+        call = outside[cell[-1] + 1].f_code.co_name if cell[-1] + 1 < len(outside) else ""
+    return "running", line, call
+
+
+def _data_figures() -> dict:
+    views = sys.modules.get("taas.data.view")
+    if views is None:  # the cell reads no registered loader
+        return {}
+    return {view.name: [view._units, round(view._wait, 3)] for view in list(views._views)}

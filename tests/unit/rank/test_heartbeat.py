@@ -1,0 +1,125 @@
+"""A rank's heartbeat (taas.rank.heartbeat): where the main thread is, and the beats it sends."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from taas.rank import heartbeat
+
+CELL = "<taas cell 7>"
+
+
+def _in_thread(source: str, namespace: dict):
+    """Run ``source`` (as the cell, file CELL) in a thread until it sets ``stop``; the thread and
+    a way to end it."""
+    stop = threading.Event()
+    ready = threading.Event()
+    namespace.update(stop=stop, ready=ready)
+    code = compile(source, CELL, "exec")
+    thread = threading.Thread(target=exec, args=(code, namespace), daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    return thread, stop
+
+
+def test_running_in_a_function_the_cell_called():
+    source = "def train_step():\n    ready.set()\n    stop.wait(5)\n\n\ntrain_step()\n"
+    thread, stop = _in_thread(source, {})
+    try:
+        state, line, call = heartbeat.where(thread.ident, CELL)
+    finally:
+        stop.set()
+        thread.join()
+    assert (state, call) == ("running", "train_step")
+    assert line == 3  # the innermost line of the cell: inside train_step
+
+
+def test_at_the_cells_top_level_the_call_is_blank():
+    thread, stop = _in_thread("ready.set()\nstop.wait(5)\n", {})
+    try:
+        assert heartbeat.where(thread.ident, CELL) == ("running", 2, "wait")  # Event.wait (threading)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_waiting_in_a_torch_distributed_call(tmp_path):
+    # A module whose file lies under torch/distributed/ stands for the collective (no process group).
+    folder = tmp_path / "torch" / "distributed"
+    folder.mkdir(parents=True)
+    (folder / "c10d_logger.py").write_text(  # torch's decorator around each collective
+        "def wrapper(func, *args):\n    return func(*args)\n")
+    (folder / "distributed_c10d.py").write_text(
+        "def all_reduce(ready, stop):\n    return _wait(ready, stop)\n\n"
+        "def _wait(ready, stop):\n    ready.set()\n    stop.wait(5)\n")
+    logger = importlib.util.spec_from_file_location("fake_logger", folder / "c10d_logger.py")
+    wrap = importlib.util.module_from_spec(logger)
+    logger.loader.exec_module(wrap)
+    spec = importlib.util.spec_from_file_location("fake_c10d", folder / "distributed_c10d.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    thread, stop = _in_thread("x = 1\nwrap.wrapper(c10d.all_reduce, ready, stop)\n",
+                              {"c10d": module, "wrap": wrap})
+    try:
+        assert heartbeat.where(thread.ident, CELL) == ("waiting", 2, "all_reduce")  # the user's call
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_sample_on_cpu_has_no_gpu_figures():
+    sample = heartbeat.Sampler(threading.get_ident(), CELL, "cpu").sample()
+    assert sample["state"] == "starting"  # the cell has not started (heartbeat.running)
+    assert sample["rss"] > 0 and sample["cpu"] >= 0
+    assert sample["gpu_mem"] is None and sample["gpu_util"] is None
+    assert sample["line"] is None and sample["data"] == {}
+
+
+@pytest.fixture
+def events_pipe(monkeypatch):
+    read, write = os.pipe()
+    monkeypatch.setenv("TAAS_EVENTS_FD", str(write))
+    os.set_blocking(read, False)
+    yield read
+    heartbeat.stop()
+    os.close(read)
+    os.close(write)
+
+
+def _beats(fd: int) -> list[dict]:
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def test_it_beats_at_once_then_every_interval_and_stops(events_pipe, monkeypatch):
+    monkeypatch.setattr(heartbeat, "INTERVAL", 0.05)
+    heartbeat.start(CELL, "cpu")
+    time.sleep(0.02)
+    first = _beats(events_pipe)
+    assert [b["kind"] for b in first] == ["beat"] and first[0]["state"] == "starting"
+    heartbeat.running()
+    time.sleep(0.2)
+    later = _beats(events_pipe)
+    assert len(later) >= 2 and later[-1]["state"] == "running"
+    heartbeat.stop()
+    time.sleep(0.1)
+    _beats(events_pipe)
+    time.sleep(0.15)
+    assert _beats(events_pipe) == []  # no beat after stop
+    from taas.supervisor import events
+
+    assert isinstance(events.read(json.dumps(later[-1])), events.Beat)  # what the kernel reads
