@@ -10,6 +10,7 @@ import ast
 import pytest
 
 from tests.support.kernel_driver import OFFLINE, cell
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -41,8 +42,8 @@ def test_rank_scalars_are_drawn_in_place_and_every_row_comes_back(kernel, clean)
     assert run.error is None, run.traceback
     assert "[rank0] logged 0" in run.stdout and "[rank1] logged 1" in run.stdout
     # one note per bad name and rank, and the job went on
-    assert run.stderr.count("'loss' is nan, not a finite number: not recorded") == 2, run.stderr
-    assert run.stderr.count("'shape' is a list of 2, not a number") == 2, run.stderr
+    assert per_rank(run.stderr).count("'loss' is nan, not a finite number: not recorded") == 2, run.stderr
+    assert per_rank(run.stderr).count("'shape' is a list of 2, not a number") == 2, run.stderr
     assert "a list of 1" not in run.stderr
     drawn = plots(run)
     assert drawn, run.displays
@@ -118,7 +119,7 @@ def test_lightning_trainer_metrics_feed_the_plot_and_history(kernel, clean, work
         print("fitted", trainer.global_step)
         """))
     assert run.error is None, run.traceback
-    assert "[rank0] fitted 6" in run.stdout, run.stdout
+    assert "[rank0] fitted 6" in per_rank(run.stdout), run.stdout
     assert plots(run), run.displays
     got = rows(kernel)
     steps = sorted(r["step"] for r in got if r["rank"] == 0 and r.get("train_loss") is not None)

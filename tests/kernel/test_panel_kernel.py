@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.kernel_driver import cell
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -28,7 +29,7 @@ SLOW = cell("""
 def test_a_live_panel_shows_each_rank_then_gives_way_to_one_line(kernel, clean):
     run = kernel.run(SLOW)
     assert run.error is None, run.traceback
-    assert "[rank0] done" in run.stdout and "[rank1] done" in run.stdout
+    assert "[rank0] done" in per_rank(run.stdout) and "[rank1] done" in per_rank(run.stdout)
     kinds = [kind for kind, _ in run.panels]
     assert kinds and kinds[0] == "display_data" and set(kinds[1:]) == {"update_display_data"}
     texts = [data["text/plain"] for _, data in run.panels]
@@ -49,7 +50,7 @@ def test_a_short_cell_gets_no_panel(kernel, clean):
     run = kernel.run("%%taas --gpus 2\nprint('quick')")
     assert run.error is None, run.traceback
     assert run.panels == [] and run.displays == []
-    assert "[rank0] quick" in run.stdout
+    assert "[rank0] quick" in per_rank(run.stdout)
 
 
 def test_a_batch_run_as_nbval_sends_it_gets_no_panel(kernel, clean):
