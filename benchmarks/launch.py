@@ -243,14 +243,16 @@ def run_big(source: str, ranks: int, device: str, repeat: int, mib: int) -> None
 
 # -- big results back -------------------------------------------------------------------------
 # Rank 0 makes a value of the given size (a tensor; a model of 16 Linear layers built on meta and
-# filled, so no random init dominates), and binds it or not.
-RESULT_TENSOR = "big = torch.full(({n},), 0.5)\n"
+# filled, so no random init dominates), and binds it or not.  Only rank 0 makes it: the other
+# ranks' new memory would only add noise on a small machine.
+RESULT_TENSOR = "big = torch.full(({n},), 0.5) if dist.get_rank() == 0 else None\n"
 RESULT_MODEL = textwrap.dedent("""
     with torch.device("meta"):
         net = torch.nn.Sequential(*[torch.nn.Linear({width}, {width}) for _ in range(16)])
-    net = net.to_empty(device="cpu")
-    for p in net.parameters():
-        p.data.fill_(0.01)
+    if dist.get_rank() == 0:
+        net = net.to_empty(device="cpu")
+        for p in net.parameters():
+            p.data.fill_(0.01)
 """)
 
 
@@ -293,6 +295,7 @@ def run_results(source: str, ranks: int, device: str, repeat: int, mib: int) -> 
                     parts = [value] if isinstance(value, torch.Tensor) else list(value.parameters())
                     assert all(float(p.detach().sum()) > 0 for p in parts)  # every page touched
                     growth[name].append((_rss() - rss) / (1 << 30))
+                    del value, parts
                 del got, namespace
                 session.after_cell()
     finally:

@@ -190,12 +190,14 @@ class Returns:
         if entry is None:
             if len(self.fds) >= MAX_STORAGES:
                 return None
-            fd = _memfd(untyped.nbytes())
+            fd = None
             try:
+                fd = _memfd(untyped.nbytes())
                 write(fd, untyped)
                 _seal(fd)
-            except (OSError, RuntimeError) as exc:  # no memory left: this one goes inline
-                os.close(fd)
+            except (OSError, RuntimeError) as exc:  # no memory or fds left: this one goes inline
+                if fd is not None:
+                    os.close(fd)
                 log.debug("result storage of %d bytes inline: %s", untyped.nbytes(), exc)
                 return None
             self.fds.append(fd)

@@ -190,3 +190,13 @@ def test_channel_from_the_environment():
     assert returns.channel_from({"TAAS_RESULT_CHANNEL": "2", "TAAS_SHARED_FDS": "5,9"}) is None
     assert Batch.unpack(Batch(b"t" * 16, 3).pack()) == Batch(b"t" * 16, 3)
     assert Batch.unpack(b"short") is None
+
+
+def test_a_storage_that_cannot_get_its_file_goes_inline(channel, monkeypatch):
+    def refuse(nbytes):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(returns, "_memfd", refuse)
+    sent, got = trip({"big": torch.full((2 * N,), 4.0)}, ("big",), channel)
+    assert sent.shared is None and got.notes == ()
+    assert torch.equal(got.values["big"], torch.full((2 * N,), 4.0))
