@@ -173,3 +173,18 @@ def test_a_failed_job_after_binding_a_big_tensor_leaves_nothing(kernel, clean):
     """))
     assert after.stdout.strip() == "'before'"  # the notebook's namespace as it was
     assert int(kernel.run(RESULT_FILES).stdout) == before
+
+
+def test_big_results_come_back_as_memory_files_on_the_second_launcher_too(tmp_path):
+    """The channel is one more shared fd: a launcher that passes them as they are (the private
+    one starts a fresh interpreter per process) carries it unchanged."""
+    from tests.support.launchers import kernel_on
+
+    k = kernel_on("private", str(tmp_path))
+    try:
+        run = k.run("#pragma taas --gpus 2\nimport torch\nback = torch.full((16 << 20,), 3.0)")
+        assert run.error is None, run.traceback
+        after = k.run("print(back.untyped_storage().is_shared(), float(back.sum()))")
+        assert after.stdout.strip() == f"True {3.0 * (16 << 20)}", after.stdout
+    finally:
+        k.shutdown()
