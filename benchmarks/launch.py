@@ -14,6 +14,11 @@ notebook ``%load_ext taas`` starts it in the background beforehand); "warm" is t
 run THINK_TIME seconds later (untimed), as a person would: the start process uses that pause to
 fork the next job's processes ahead.
 
+Then results back, in one session: warm jobs side by side whose rank 0 binds a --result-mib
+tensor, or a model of that size, against the plain warm job and against the same job that makes
+the value but does not bind it (what bringing it back adds), the first time and after, with the
+notebook's RSS growth once it touched the value (run_results).
+
 Last, a trivial 4-rank cell (an all_reduce and a print per rank) through real Jupyter kernels,
 side by side: ``%%taas --gpus 4`` (fresh ranks every cell) against nbdistributed's cell on its
 persistent workers, timed from execute_request to the reply; see run_kernels.
@@ -234,6 +239,81 @@ def run_big(source: str, ranks: int, device: str, repeat: int, mib: int) -> None
     print(f"  memory peak, every rank summing it: {peaks[1] / gib:.2f} GiB vs {peaks[0] / gib:.2f} GiB plain "
           f"(this process with the tensor, start process, ranks; Pss_Anon + /dev/shm growth)")
     print(f"  memory extra for the job = {(peaks[1] - peaks[0]) / gib:.2f} GiB   (goal <= 1)")
+
+
+# -- big results back -------------------------------------------------------------------------
+# Rank 0 makes a value of the given size (a tensor; a model of 16 Linear layers built on meta and
+# filled, so no random init dominates), and binds it or not.  Only rank 0 makes it: the other
+# ranks' new memory would only add noise on a small machine.
+RESULT_TENSOR = "big = torch.full(({n},), 0.5) if dist.get_rank() == 0 else None\n"
+RESULT_MODEL = textwrap.dedent("""
+    with torch.device("meta"):
+        net = torch.nn.Sequential(*[torch.nn.Linear({width}, {width}) for _ in range(16)])
+    if dist.get_rank() == 0:
+        net = net.to_empty(device="cpu")
+        for p in net.parameters():
+            p.data.fill_(0.01)
+""")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_results(source: str, ranks: int, device: str, repeat: int, mib: int) -> None:
+    """Warm jobs side by side in one session, results on: plain; a ``mib`` MiB tensor made and
+    bound on rank 0 (brought back), or made and deleted (not brought back); the same for a model
+    of about that size.  Each bound value is touched (summed) in this process, after the timed
+    cell, to measure the RSS it added."""
+    import torch
+
+    from taas.directive import parse_options
+    from taas.session import Session
+
+    width = int((mib * (1 << 20) / 4 / 16) ** 0.5)  # 16 square layers of float32: ~mib MiB
+    tensor = RESULT_TENSOR.format(n=mib << 18)
+    model = RESULT_MODEL.format(width=width)
+    rows = {"plain": source, "tensor made": source + tensor + "del big\n", "tensor bound": source + tensor,
+            "model made": source + model + "del net\n", "model bound": source + model}
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    growth: dict[str, list[float]] = {"tensor bound": [], "model bound": []}
+    options = parse_options(f"--gpus {ranks} --device {device}")
+    session = Session()
+    try:
+        session.run_cell(source, {}, options, sink=_Collect())  # cold: untimed
+        for _ in range(repeat):
+            for name, cell in rows.items():
+                time.sleep(THINK_TIME)
+                namespace: dict = {}
+                rss = _rss()
+                started = time.perf_counter()
+                got = session.run_cell(cell, namespace, options, sink=_Collect())
+                times[name].append(time.perf_counter() - started)
+                if name in growth:
+                    value = got.values["big" if name.startswith("tensor") else "net"]
+                    parts = [value] if isinstance(value, torch.Tensor) else list(value.parameters())
+                    assert all(float(p.detach().sum()) > 0 for p in parts)  # every page touched
+                    growth[name].append((_rss() - rss) / (1 << 30))
+                    del value, parts
+                del got, namespace
+                session.after_cell()
+    finally:
+        session.close()
+    med = statistics.median
+    plain = med(times["plain"])
+    print(f"  results  warm plain {plain:7.3f} s | rank 0 binds a {mib} MiB tensor / a "
+          f"{16 * width * (width + 1) * 4 / (1 << 30):.2f} GiB model (16 x Linear({width}, {width}))")
+    for kind in ("tensor", "model"):
+        bound, made = times[f"{kind} bound"], times[f"{kind} made"]
+        later = bound[1:] or bound
+        print(f"  results  {kind}: made, not bound {med(made):7.3f} s | bound: first time {bound[0]:7.3f} s, "
+              f"after {med(later):7.3f} s")
+        print(f"  added    by bringing the {kind} back (bound - made): first {bound[0] - med(made):+.3f} s, "
+              f"after {med(later) - med(made):+.3f} s   (goal <= 0.5 per GiB) | vs plain: first "
+              f"{bound[0] - plain:+.3f} s, after {med(later) - plain:+.3f} s")
+        print(f"  memory   notebook RSS growth with the {kind} touched: {med(growth[f'{kind} bound']):.2f} GiB "
+              f"(the value: {mib / 1024:.2f} GiB; goal: no more than the value)")
 
 
 def _step_ms(text: str) -> float:
@@ -460,6 +540,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--big-mib", type=int, default=1024,
                         help="size of the notebook tensor of the big-value case (0: skip it)")
+    parser.add_argument("--result-mib", type=int, default=1024,
+                        help="size of the value rank 0 binds in the results-back case (0: skip it)")
+    parser.add_argument("--only-results", action="store_true", help="run only the results-back case")
     parser.add_argument("--kernel-repeat", type=int, default=10,
                         help="rounds of the trivial cell through real kernels, taas vs nbdistributed (0: skip)")
     parser.add_argument("--only-kernel", action="store_true", help="run only the real-kernel case")
@@ -469,6 +552,9 @@ def main() -> None:
         return
     backend = "nccl" if args.device == "cuda" else "gloo"
     source = body(backend, args.steps)
+    if args.only_results:
+        run_results(source, args.ranks, args.device, args.repeat, args.result_mib)
+        return
 
     from taas.session import Session
 
@@ -501,6 +587,8 @@ def main() -> None:
     print(f"  ratio  step taas/torchrun = {step_ratio:.3f}   (goal <= 1.03)")
     if args.big_mib:
         run_big(source, args.ranks, args.device, args.repeat, args.big_mib)
+    if args.result_mib:
+        run_results(source, args.ranks, args.device, args.repeat, args.result_mib)
     if args.kernel_repeat:
         run_kernels(args.ranks, args.kernel_repeat)
 

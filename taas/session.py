@@ -231,6 +231,8 @@ class Session:
         self.resident.prune()
         big = BigValues(job_id, resident=self.resident, files=launcher is self.launcher)
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
+        # Rank 0's big results come back as memory files on a channel, on this machine only.
+        returning = big.open_results_channel() if options.results and big.files else {}
         if launcher is not self.launcher:
             self.resident.settle()  # a cluster launcher reads the files' bytes to send them
         for line in ([note] if note else []) + rebound + big.notes:
@@ -250,7 +252,7 @@ class Session:
                           show=None if options.show is None else frozenset(keys.rank_key(r) for r in options.show),
                           results=options.results),
             data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
-            env=_process_env(world), shared_fds=tuple(big.fds),  # resident big tensors
+            env=_process_env(world) | returning, shared_fds=tuple(big.fds),  # resident big tensors, results channel
             cleanups=tuple(big.cleanups()),
         ), plane, big
 
@@ -276,7 +278,7 @@ class Session:
                 sink.write("stderr", "".join(line + "\n" for line in stats.data))
             if not job.policy.results or outcome.result is None:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
-            return results.load(results.decode(outcome.result))
+            return results.load(results.decode(outcome.result), big.channel)
         finally:
             plot.close()
             big.close_fds()

@@ -12,17 +12,28 @@ and one note line, never the job or the other values.  Wrappers bound to the job
 (DDP, Lightning Fabric's) come back as what they wrap (:mod:`taas.job.crossing`).  Tensors and
 modules come back on the CPU (:func:`results_to_cpu`), so the kernel never holds a rank's GPU
 memory after the job; ``--results-device keep`` keeps their device when the kernel has CUDA.
+
+Big storages (1 MiB or more) do not go into the pickles when rank 0 has the job's results
+channel (one machine): rank 0 writes each once to a memory file and hands the files to the
+kernel by descriptor, where they become the storages with no copy
+(:mod:`taas.job.memory.returns`); ``Results.shared`` names them.  On a cluster they travel inline.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from taas.job import crossing, devices
+from taas.job.memory import returns as shared_returns
+from taas.job.memory.returns import ResultChannel, channel_from
+
+__all__ = ["CellResult", "ResultChannel", "Results", "channel_from", "collect", "decode", "encode", "load",
+           "results_to_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +47,8 @@ class Results:
     out: bytes | None = None  # the last expression's value, pickled; None: no Out[]
     out_skipped: str | None = None  # why the last expression's value could not be pickled
     lost: str | None = None  # set by decode(): why the whole file could not be read
+    shared: bytes | None = None  # the token of rank 0's files on the results channel (returns.py)
+    shared_count: int = 0  # how many files the values refer to
 
 
 @dataclass(frozen=True)
@@ -55,33 +68,56 @@ def results_to_cpu(results_device: str, kernel_cuda: int) -> bool:
 
 
 # -- rank 0 ------------------------------------------------------------------------------------
-def collect(namespace: Mapping, bound: Iterable[str], out, *, to_cpu: bool) -> Results:
+def collect(namespace: Mapping, bound: Iterable[str], out, *, to_cpu: bool,
+            channel: int | None = None) -> Results:
     """The cell's top-level names ``bound`` (those ``namespace`` still holds; dunders never)
-    and its last expression's value ``out`` (None: none), each pickled on its own."""
-    values: dict[str, bytes] = {}
-    skipped: dict[str, str] = {}
-    for name in bound:
-        if name.startswith("__") or name not in namespace:
-            continue
-        blob, why = _pack(namespace[name], to_cpu)
-        if blob is None:
-            skipped[name] = why or ""  # _pack always says why
+    and its last expression's value ``out`` (None: none), each pickled on its own.  With the
+    job's results ``channel`` (an fd: :func:`channel_from`), big storages go to the kernel as
+    memory files; if the channel refuses them, everything is pickled inline instead."""
+    sender = shared_returns.Returns(channel) if channel is not None else None
+    values, skipped, out_blob, out_why = _pack_all(namespace, bound, out, to_cpu, sender)
+    token, count = None, 0
+    if sender is not None and sender.fds:
+        token, count, written = sender.token, len(sender.fds), sender.written
+        try:
+            sender.send()
+        except OSError as exc:  # the kernel is gone or its queue is full: the slow way
+            log.debug("results channel refused %d files (%s): pickled inline", count, exc)
+            token, count = None, 0
+            values, skipped, out_blob, out_why = _pack_all(namespace, bound, out, to_cpu, None)
         else:
-            values[name] = blob
-    out_blob, out_why = (None, None) if out is None else _pack(out, to_cpu)
+            log.debug("results: %d storages (%d bytes) sent as memory files", count, written)
+    elif sender is not None:
+        sender.close()
     if log.isEnabledFor(logging.DEBUG):
         log.debug("results: %s; not brought back: %s; Out: %s",
                   ", ".join(f"{k} ({len(v)} bytes)" for k, v in values.items()) or "none",
                   ", ".join(skipped) or "none",
                   "none" if out_blob is None else f"{len(out_blob)} bytes")
-    return Results(values=values, skipped=skipped, out=out_blob, out_skipped=out_why)
+    return Results(values=values, skipped=skipped, out=out_blob, out_skipped=out_why,
+                   shared=token, shared_count=count)
+
+
+def _pack_all(namespace: Mapping, bound: Iterable[str], out, to_cpu: bool, sender):
+    values: dict[str, bytes] = {}
+    skipped: dict[str, str] = {}
+    for name in bound:
+        if name.startswith("__") or name not in namespace:
+            continue
+        blob, why = _pack(namespace[name], to_cpu, sender)
+        if blob is None:
+            skipped[name] = why or ""  # _pack always says why
+        else:
+            values[name] = blob
+    out_blob, out_why = (None, None) if out is None else _pack(out, to_cpu, sender)
+    return values, skipped, out_blob, out_why
 
 
 def encode(results: Results) -> bytes:
     return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
+def _pack(value, to_cpu: bool, sender=None) -> tuple[bytes | None, str | None]:
     """One result as bytes, or why it cannot come back.  Never raises (but for Ctrl-C): a
     value's failure to pickle -- whatever it raises, SystemExit included -- costs that value,
     never the job or the other values.  DistributedDataParallel and Lightning Fabric wrappers
@@ -97,8 +133,11 @@ def _pack(value, to_cpu: bool) -> tuple[bytes | None, str | None]:
                           "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
         # Every CUDA storage anywhere in the value crosses once, as its bytes, landing on the
         # CPU (or its own device): tied weights stay tied, views stay views, optimizer state
-        # follows; rank 0's own objects stay where they are.
-        hook = devices.DeviceStorages(land="cpu" if to_cpu else "keep").reduce
+        # follows; rank 0's own objects stay where they are.  Big ones (CPU ones too) go as
+        # memory files when there is a ``sender`` (taas.job.memory.returns).
+        hook = devices.DeviceStorages(land="cpu" if to_cpu else "keep",
+                                      copy_in=sender.copy_in if sender is not None else None,
+                                      big=sender.reduce if sender is not None else None).reduce
         return crossing.dumps(value, crossing.TO_KERNEL, hook), None
     except KeyboardInterrupt:
         raise
@@ -148,9 +187,22 @@ def decode(data: bytes) -> Results:
     return results
 
 
-def load(results: Results) -> CellResult:
+def load(results: Results, channel: ResultChannel | None = None) -> CellResult:
     """In the kernel: each value unpickled on its own, with a note for each that did not come
-    back (on rank 0 or here)."""
+    back (on rank 0 or here).  Big storages are rank 0's files, taken from the job's results
+    ``channel``; a value whose files did not arrive is a note too."""
+    fds = None
+    if results.shared is not None and channel is not None:
+        fds = channel.take(results.shared, results.shared_count)
+    try:
+        with shared_returns.mapping(fds):
+            return _load(results)
+    finally:
+        for fd in fds or ():  # each storage made keeps its own duplicate
+            os.close(fd)
+
+
+def _load(results: Results) -> CellResult:
     values: dict = {}
     notes: list[str] = []
     if results.lost:

@@ -117,7 +117,10 @@ class LaunchSpec:
     (``payload.pkl``).  ``shared_fds``: open files of the caller (read-only data, such as the
     notebook's resident big tensors) that every process of the job gets as open files of its
     own; a process finds them, in this order, by the numbers listed in its ``TAAS_SHARED_FDS``
-    environment variable (``"7,8"``).  The caller keeps its own fds and may close them once
+    environment variable (``"7,8"``).  On this machine the last one may be the job's results
+    channel, a Unix socket rank 0 sends its big results' memory files on
+    (:mod:`taas.job.memory.returns`; ``TAAS_RESULT_CHANNEL`` is its index): a launcher passes
+    every shared fd as it is, whatever it is.  The caller keeps its own fds and may close them once
     :meth:`Launcher.start` returned.  ``device``: ``"cuda"`` places one rank per GPU.
     ``restart``/``max_restarts``: which attempt this is (``TORCHELASTIC_RESTART_COUNT``).
 

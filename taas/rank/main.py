@@ -73,8 +73,10 @@ def main(spec) -> int:
         comm.report()
         log.debug("cell done on rank %d", rank)
         if rank == 0 and payload.results:
+            # Big storages go to the kernel as memory files on the job's channel (one machine).
             report.write_result(job_dir, results.encode(
-                results.collect(namespace, payload.bound, out, to_cpu=payload.results_to_cpu)))
+                results.collect(namespace, payload.bound, out, to_cpu=payload.results_to_cpu,
+                                channel=results.channel_from(os.environ))))
         _teardown(done=True)
         return 0
     except SystemExit as exc:

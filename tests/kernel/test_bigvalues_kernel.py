@@ -108,3 +108,83 @@ def test_a_freed_tensors_shared_memory_goes_after_the_cell_that_freed_it(kernel,
     assert int(kernel.run(SHARED_FILES).stdout) == before + 1  # t3's file, kept for later jobs
     kernel.run("del t3")
     assert int(kernel.run(SHARED_FILES).stdout) == before  # closed after the cell that freed it
+
+
+# -- big results back --------------------------------------------------------------------------
+RESULT_FILES = cell("""
+    import os
+    print(sum("memfd:taas-result" in os.readlink(f"/proc/self/fd/{fd}")
+              for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")))
+""")
+
+
+def test_a_big_tensor_and_a_module_come_back_equal_and_usable(kernel, clean):
+    before = int(kernel.run(RESULT_FILES).stdout)
+    run = kernel.run(cell("""
+        #pragma taas --gpus 2
+        import torch
+        torch.manual_seed(0)
+        back = torch.arange(32 << 20, dtype=torch.float32)  # 128 MiB
+        part = back[5:10]
+        net = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 16))
+        expected = float(net(torch.ones(1, 1024)).sum())
+    """))
+    assert run.error is None, run.traceback
+    after = kernel.run(cell("""
+        import io
+        s = back.untyped_storage()
+        print("equal", torch.equal(back, torch.arange(32 << 20, dtype=torch.float32)), s.is_shared(),
+              part.untyped_storage().data_ptr() == s.data_ptr())
+        back.mul_(2)
+        print("usable", float(back[3]), float(part[0]), back.numpy()[4], back[:8].clone().resize_(16).shape[0])
+        print("net", abs(float(net(torch.ones(1, 1024)).sum()) - expected) < 1e-4,
+              all(p.untyped_storage().is_shared() for p in net.parameters() if p.numel() >= 1 << 18))
+        net(torch.ones(2, 1024)).sum().backward()
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
+        buf = io.BytesIO(); torch.save(net.state_dict(), buf); print("saved", buf.tell() > 8 << 20)
+    """))
+    assert after.error is None, after.traceback
+    assert "equal True True True" in after.stdout
+    assert "usable 6.0 10.0 8.0 16" in after.stdout
+    assert "net True True" in after.stdout and "saved True" in after.stdout
+    again = kernel.run("#pragma taas --gpus 2\nprint('sum', float(back[:4].sum()))")  # goes out again
+    assert again.error is None, again.traceback
+    assert again.stdout.count("sum 12.0") == 2, again.stdout
+    kernel.run("del back, part, s, net")
+    assert int(kernel.run(RESULT_FILES).stdout) == before  # the files went with the tensors
+
+
+def test_a_failed_job_after_binding_a_big_tensor_leaves_nothing(kernel, clean):
+    kernel.run("kept = 'before'")
+    before = int(kernel.run(RESULT_FILES).stdout)
+    run = kernel.run(cell("""
+        #pragma taas --gpus 2
+        import torch
+        import torch.distributed as dist
+        import time
+        kept = torch.ones(16 << 20)  # 64 MiB, sent by rank 0 as a file once its cell ended...
+        if dist.get_rank() == 1:
+            time.sleep(1.5)  # ...which it has, when rank 1 fails
+            raise ValueError("rank 1 fails")
+    """))
+    assert run.error is not None and "rank 1 fails" in run.traceback
+    after = kernel.run(cell("""
+        print(repr(kept))
+    """))
+    assert after.stdout.strip() == "'before'"  # the notebook's namespace as it was
+    assert int(kernel.run(RESULT_FILES).stdout) == before
+
+
+def test_big_results_come_back_as_memory_files_on_the_second_launcher_too(tmp_path):
+    """The channel is one more shared fd: a launcher that passes them as they are (the private
+    one starts a fresh interpreter per process) carries it unchanged."""
+    from tests.support.launchers import kernel_on
+
+    k = kernel_on("private", str(tmp_path))
+    try:
+        run = k.run("#pragma taas --gpus 2\nimport torch\nback = torch.full((16 << 20,), 3.0)")
+        assert run.error is None, run.traceback
+        after = k.run("print(back.untyped_storage().is_shared(), float(back.sum()))")
+        assert after.stdout.strip() == f"True {3.0 * (16 << 20)}", after.stdout
+    finally:
+        k.shutdown()

@@ -56,13 +56,16 @@ import threading
 from taas.job.memory import resident
 from taas.job.memory import files as shmfiles
 from taas.job.memory.resident import ResidentMemory
+from taas.job.memory.returns import CHANNEL_ENV, ResultChannel
 
 _UNNAMED_OK = shmfiles.UNNAMED_OK  # (the same dict: tests set a directory's entry here)
 
 THRESHOLD = 1 << 20  # bytes: smaller arrays stay inline in the pickle
 SHM_DIR = "/dev/shm"
 ROOM_MARGIN = 64 << 20  # bytes left free in SHM_DIR after writing a value
-MAX_FDS = 64  # files passed by descriptor in one job (resident, device copies): a launcher passes that many
+# Files passed by descriptor in one job (resident, device copies): a launcher passes 64, and
+# one of them is the results channel (open_results_channel).
+MAX_FDS = 63
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class BigValues:
         self._free: int | None = None
         self._storages: dict[int, tuple] = {}  # StorageImpl address -> (storage, path or None)
         self._types = _candidate_types()
+        self.channel: ResultChannel | None = None  # rank 0's results come back on it
 
     @property
     def notes(self) -> list[str]:
@@ -292,11 +296,22 @@ class BigValues:
         job is over or the kernel died (call after :meth:`publish`: the files have names)."""
         return ((f"{__name__}:remove_files", (tuple(self.paths),)),) if self.paths else ()
 
+    def open_results_channel(self) -> dict[str, str]:
+        """The job's results channel (:mod:`taas.job.memory.returns`), after pickling: its rank
+        end goes last in :attr:`fds`; returns the environment that tells rank 0 where it is."""
+        self.channel = ResultChannel()
+        self.fds.append(os.dup(self.channel.rank_end()))
+        return {CHANNEL_ENV: str(len(self.fds) - 1)}
+
     def close_fds(self) -> None:
-        """Close our duplicates of the resident files (once the launcher has passed them on)."""
+        """Close our duplicates of the resident files (once the launcher has passed them on)
+        and the results channel (what rank 0 sent and nobody took goes with it)."""
         fds, self.fds = self.fds, []
         for fd in fds:
             os.close(fd)
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 def _candidate_types() -> dict[type, str]:
