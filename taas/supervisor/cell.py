@@ -152,8 +152,11 @@ class CellWatch(Watch):
         self.router.close()
         if not self.failed:
             return None
-        ends = [failure.ProcessEnd(k, 1 if k in self.failed else 0, self.failed.get(k, time.time()))
-                for k in self.ranks]
+        # Every rank came back: the lowest failed rank is the one shown (the order their
+        # reports arrived in is noise: with a typo they all failed alike).
+        now = time.time()
+        ends = [failure.ProcessEnd(k, 1 if k in self.failed else 0, now + i)
+                for i, k in enumerate(self.ranks)]
         return diagnosis.job_failed(self.handle, ends, self.supervisor.name_for)
 
     def _give_up(self, where) -> JobFailed:
