@@ -21,6 +21,7 @@ import time
 import weakref
 
 from taas.io import keys as names
+from taas.io.output import TerminalSink
 from taas.job.api import World
 from taas.supervisor.supervisor import STOP_GRACE
 from taas.workdir import merge
@@ -82,8 +83,8 @@ class Kept:
             return
         try:
             handle.stop(STOP_GRACE)
-            if sink is not None:
-                self.layers.merge(handle.layers(), self.job_id, sink)
+            # The ranks' layers come back now (the timer and unload have no cell: stderr).
+            self.layers.merge(handle.layers(), self.job_id, sink or TerminalSink())
         finally:
             handle.close()
 
