@@ -152,12 +152,26 @@ class CellWatch(Watch):
         self.router.close()
         if not self.failed:
             return None
-        # Every rank came back: the lowest failed rank is the one shown (the order their
-        # reports arrived in is noise: with a typo they all failed alike).
+        return self._came_back_failed()
+
+    def _came_back_failed(self) -> JobFailed:
+        """The failure of a cell every rank came back from.  Ranks that failed alike (a typo on
+        every rank) are ordered by rank, not by the moment each wrote its report (noise): the
+        lowest is the root cause (min keeps the first of equals), the others "also failed"."""
         now = time.time()
-        ends = [failure.ProcessEnd(k, 1 if k in self.failed else 0, now + i)
-                for i, k in enumerate(self.ranks)]
-        return diagnosis.job_failed(self.handle, ends, self.supervisor.name_for)
+        ends = [failure.ProcessEnd(k, 1 if k in self.failed else 0, now) for k in self.ranks]
+        for end in ends:
+            end.record = diagnosis.read_report(self.handle, end.key)
+        records = [e.record for e in ends if e.record is not None and e.key in self.failed]
+        texts = {str((r.get("chain") or [{}])[-1].get("text")) for r in records}
+        if len(texts) == 1 and all(isinstance(r.get("time"), (int, float)) for r in records):
+            first = min(r["time"] for r in records)
+            for record in records:
+                record["time"] = first
+        root = failure.root_cause(ends)
+        assert root is not None
+        others = [end for end in ends if end is not root]
+        return JobFailed(failure.summary(root), failure.render(root, others, self.supervisor.name_for), root)
 
     def _give_up(self, where) -> JobFailed:
         """The ranks cannot all come back: where each is, then stop them all."""
