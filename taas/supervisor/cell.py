@@ -34,7 +34,7 @@ from taas.supervisor.machine import Ev
 from taas.supervisor.supervisor import POLL, STOP_GRACE, Outcome, Supervisor, Watch
 from taas.workdir import merge
 
-RETURN_WAIT = 3.0  # seconds the other ranks get to come back after one failed or an interrupt
+RETURN_WAIT = 2.0  # seconds the other ranks get to come back after one failed or an interrupt
 LOST = ("taas: the kept ranks could not all come back, so they were ended and their state is "
         "lost; the next cell starts fresh ranks")
 

@@ -184,3 +184,53 @@ def test_killed_kernel_leaves_no_kept_rank(workdir):
         assert wait_until_gone(tree, timeout=5) == []
     finally:
         k.shutdown()
+
+
+def test_a_rank_stuck_in_a_collective_after_a_peer_raised_loses_the_state(kernel, clean):
+    _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nkept = 1"))
+    pids = _rank_pids(kernel)
+    started = time.monotonic()
+    run = kernel.run(cell("""
+        %%taas
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 gives up")
+        dist.barrier()
+    """))
+    assert time.monotonic() - started < 30
+    assert run.error is not None and run.error["ename"] == "JobFailed"
+    text = plain(run.traceback)
+    assert "rank1 failed: ValueError: rank 1 gives up" in text
+    assert "rank0" in text and "dist.barrier()" in text, text  # where rank 0 waited
+    lost = [line for line in run.stderr.splitlines() if "state is lost" in line]
+    assert len(lost) == 1, run.stderr
+    assert wait_until_gone(pids) == []
+    assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
+
+
+def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel, clean):
+    _ok(kernel.run("%%taas --gpus 2 --keep\nimport time, torch.distributed as dist\nkept = 1"))
+    pids = _rank_pids(kernel)
+    seen = {}
+
+    def on_output(out):
+        if "[rank1] waiting" in out.stdout and "at" not in seen:
+            seen["at"] = time.monotonic()
+            kernel.km.interrupt_kernel()
+
+    run = kernel.run(cell("""
+        %%taas
+        print("waiting", flush=True)
+        if dist.get_rank() == 0:
+            dist.barrier()  # rank 1 never joins: rank 0 waits inside gloo (C code)
+        else:
+            while True:
+                time.sleep(0.1)
+    """), on_output=on_output)
+    assert "at" in seen
+    assert run.error is not None and run.error["ename"] == "KeyboardInterrupt"
+    assert "did not all return" in plain(run.traceback)
+    assert wait_until_gone(pids, timeout=10) == []
+    assert time.monotonic() - seen["at"] < 15
+    lost = [line for line in run.stderr.splitlines() if "state is lost" in line]
+    assert len(lost) == 1, run.stderr
+    assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
