@@ -313,35 +313,12 @@ class Session:
 
     # -- kept ranks (--keep) ---------------------------------------------------------------
     def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink) -> Kept | None:
-        """The kept ranks this cell runs on, or None: kept ranks of another world, or past
-        their idle limit, or with ``--fresh``, are ended first, with one line saying so."""
-        kept = self.keeper.take(sink)
-        if kept is None:
-            return None
-        world = kept.world
-        why = None
-        lost = kept.handle.lost()
-        if lost is not None:
-            why = f"{lost}, so their state is lost"
-        elif kept.expired():
-            why = f"they were idle longer than their limit ({kept.flag()})"
-        elif options.fresh:
-            why = "--fresh"
-        elif launcher is not kept.launcher:
-            why = "this cell runs elsewhere"
-        else:
-            wanted = options if options.gpus is not None else dataclasses.replace(options, gpus=world.size)
-            size, device, backend, _ = directive.resolve_world(wanted, launcher.cuda_devices(), launcher.where)
-            if (size, device, backend) != (world.size, world.device, world.backend):
-                why = f"this cell asks for {size} rank(s) on {device}/{backend}"
-        if why is None:
-            if options.keep is not None:
-                kept.limit = options.keep
-            return kept
-        self.release(sink)
-        sink.write("stderr", f"taas: released the kept ranks ({world.size} on {world.device}/"
-                   f"{world.backend}): {why}; this cell starts fresh ranks\n")
-        return None
+        """The kept ranks this cell runs on, or None (see :meth:`Keeper.reuse`)."""
+        def world(kept: Kept) -> tuple:  # what this cell asks for; no --gpus: the kept size
+            wanted = options if options.gpus is not None else dataclasses.replace(options, gpus=kept.world.size)
+            return directive.resolve_world(wanted, launcher.cuda_devices(), launcher.where)[:3]
+
+        return self.keeper.reuse(launcher, world, options.fresh, options.keep, sink)
 
     def _run_kept(self, launcher, job: Job, big: BigValues, options: directive.JobOptions,
                   sink: Sink, name_for) -> CellResult:

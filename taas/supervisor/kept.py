@@ -156,6 +156,38 @@ class Keeper:
             self._note = None
         return self.kept
 
+    def reuse(self, launcher, world, fresh: bool, limit: float | None, sink) -> Kept | None:
+        """At a cell's start: the kept ranks it runs on, or None.  Kept ranks that lost a
+        process, passed their idle limit, run elsewhere or as another world (``world(kept)``:
+        the cell's (size, device, backend)), or meet ``--fresh``, are ended first, with one
+        line saying why.  ``limit``: the cell's ``--keep`` limit, which replaces theirs."""
+        kept = self.take(sink)
+        if kept is None:
+            return None
+        was = kept.world
+        why = None
+        lost = kept.handle.lost()
+        if lost is not None:
+            why = f"{lost}, so their state is lost"
+        elif kept.expired():
+            why = f"they were idle longer than their limit ({kept.flag()})"
+        elif fresh:
+            why = "--fresh"
+        elif launcher is not kept.launcher:
+            why = "this cell runs elsewhere"
+        else:
+            size, device, backend = world(kept)
+            if (size, device, backend) != (was.size, was.device, was.backend):
+                why = f"this cell asks for {size} rank(s) on {device}/{backend}"
+        if why is None:
+            if limit is not None:
+                kept.limit = limit
+            return kept
+        self.release(sink)
+        sink.write("stderr", f"taas: released the kept ranks ({was.size} on {was.device}/"
+                   f"{was.backend}): {why}; this cell starts fresh ranks\n")
+        return None
+
     def after_cell(self, kept: Kept | None, shipped: dict) -> None:
         """A cell ended on kept ranks (``kept`` None: they were lost): remember what they hold
         now and arm the idle limit."""
