@@ -340,8 +340,7 @@ class Session:
             if not job.policy.results or outcome.result is None:
                 return CellResult()
             back = results.load(results.decode(outcome.result))
-            for name, value in back.values.items():  # the ranks hold what came back
-                run.kept.remember(name, value) if run.kept is not None else None
+            shipped.update(back.values)  # the ranks hold what came back: not sent again
             return back
         finally:
             self.keeper.after_cell(run.kept, shipped)
