@@ -28,6 +28,7 @@ from taas.io import failure, hang
 from taas.io.output import OutputRouter
 from taas.job.api import Job
 from taas.launch.api import RESULT, LaunchError
+from taas.shield import deferred_interrupt
 from taas.supervisor import diagnosis, events
 from taas.supervisor.kept import Kept
 from taas.supervisor.machine import Ev
@@ -69,7 +70,8 @@ class KeptCell:
                 payload = f"payload-{job.job_id}.pkl"
                 data = pickle.dumps(dataclasses.replace(job.payload, loaders={}),
                                     protocol=pickle.HIGHEST_PROTOCOL)
-                self.kept.handle.next_cell({payload: data}, payload, result)
+                with deferred_interrupt():  # every rank gets the cell, or none does
+                    self.kept.handle.next_cell({payload: data}, payload, result)
                 result_name = result
         except LaunchError:
             sup.transition(Ev.LAUNCH_FAILED)
@@ -77,10 +79,11 @@ class KeptCell:
             raise
         sup.transition(Ev.STARTED)
         kept = self.kept
+        first = kept.cells == 0
         kept.cells += 1
         watch = None
         try:
-            watch = CellWatch(sup, kept.handle, time.monotonic())
+            watch = CellWatch(sup, kept.handle, time.monotonic(), up=not first)
             failed = watch.run()
         except BaseException:
             if watch is None or watch.lost:
@@ -108,12 +111,13 @@ class KeptCell:
 class CellWatch(Watch):
     """One cell's ranks, watched until every rank said ``done`` (see the module docstring)."""
 
-    def __init__(self, supervisor: Supervisor, handle, started: float):
+    def __init__(self, supervisor: Supervisor, handle, started: float, up: bool = True):
         show = supervisor.job.policy.show
         router = OutputRouter(supervisor.sink, handle.keys, set(show) if show is not None else None,
                               tag=supervisor.job.world.size > 1)
         super().__init__(supervisor, handle, router, started)
-        self.up, self.up_at = set(self.ranks), time.monotonic()  # kept ranks are up already
+        if up:  # ranks kept from an earlier cell are up already (--stall counts from now)
+            self.up, self.up_at = set(self.ranks), time.monotonic()
         self.failed: dict[str, float] = {}  # rank -> when it said its cell raised
         self.lost = False
 
