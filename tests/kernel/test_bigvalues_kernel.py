@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.kernel_driver import Kernel, cell
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -42,7 +43,7 @@ def test_rank_writes_to_its_own_copy_only(kernel, clean):
     assert run.error is None, run.traceback
     assert "[rank0] mapped ['rw-p']" in run.stdout  # one private mapping of the shared copy
     assert "[rank0] rank0 unchanged True" in run.stdout
-    assert "[rank1] rank1 first 1.0" in run.stdout
+    assert "[rank1] rank1 first 1.0" in per_rank(run.stdout)
     after = kernel.run(cell("""
         a = big.data_ptr()
         perms = [line.split()[1] for line in open("/proc/self/maps")
@@ -60,7 +61,7 @@ def test_the_next_job_gets_the_same_copy_with_the_notebooks_changes(kernel, clea
         print("first", big[0].item(), "rest", torch.equal(big[1:], torch.arange(1, 16 << 20, dtype=torch.float32)))
     """))
     assert run.error is None, run.traceback
-    assert run.stdout.count("first -7.0 rest True") == 2, run.stdout
+    assert per_rank(run.stdout).count("first -7.0 rest True") == 2, run.stdout
 
 
 def test_failed_job_leaves_no_shared_copy(kernel, clean):
@@ -82,7 +83,7 @@ def test_a_tensor_with_a_numpy_alias_and_the_alias_survive_a_job(kernel, clean):
         print("sum", float(t2[:5].sum()))
     """))
     assert run.error is None, run.traceback
-    assert run.stdout.count("sum 10.0") == 2, run.stdout
+    assert per_rank(run.stdout).count("sum 10.0") == 2, run.stdout
     after = kernel.run(cell("""
         junk = [torch.ones(16 << 20) for _ in range(3)]  # would reuse freed memory
         a2[0] = 5.0
@@ -149,7 +150,7 @@ def test_a_big_tensor_and_a_module_come_back_equal_and_usable(kernel, clean):
     assert "net True True" in after.stdout and "saved True" in after.stdout
     again = kernel.run("#pragma taas --gpus 2\nprint('sum', float(back[:4].sum()))")  # goes out again
     assert again.error is None, again.traceback
-    assert again.stdout.count("sum 12.0") == 2, again.stdout
+    assert per_rank(again.stdout).count("sum 12.0") == 2, again.stdout
     kernel.run("del back, part, s, net")
     assert int(kernel.run(RESULT_FILES).stdout) == before  # the files went with the tensors
 
