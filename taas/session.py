@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 from taas import directive
 from taas.errors import LaunchError
 from taas.io import failure, keys
-from taas.io.output import Sink, TerminalSink
+from taas.io.output import INFO, WARN, Sink, TerminalSink
+from taas.io.output import note as write_note
 from taas.job import analysis, package, results
 from taas.job.api import Job, Policy, World
 from taas.job.memory.bigvalues import BigValues
@@ -48,8 +49,8 @@ from taas.workdir.cwd import working_directory
 if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
     from taas.data.plane import DataPlane
 
-__all__ = ["CellResult", "JobStats", "Session", "launcher_from_env", "transport_for",
-           "working_directory"]
+__all__ = ["INFO", "WARN", "CellResult", "JobStats", "Session", "launcher_from_env",
+           "transport_for", "working_directory", "write_note"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class Session:
         # channel to the start process is not shared.
         self._running = threading.Lock()
         self._running_since: str | None = None
+        # The device decision taas made for the last job with --device auto, as the fallback
+        # note states it (directive.note_fact; None: CUDA): the note shows when this changes.
+        self._device_fact: str | None = None
 
     def warm(self) -> None:
         self.launcher.warm()
@@ -231,8 +235,10 @@ class Session:
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         if launcher is not self.launcher:
             self.resident.settle()  # a cluster launcher reads the files' bytes to send them
-        for line in ([note] if note else []) + rebound + big.notes:
-            sink.write("stderr", line + "\n")
+        if self._device_changed(options, note) and note:
+            write_note(sink, note, INFO)
+        for line in rebound + big.notes:
+            write_note(sink, line, WARN)
         log.debug("job %s: %d ranks on %s (%s), %d names shipped (%d bytes), %d loader workers",
                   job_id, world, device, backend, len(values), len(blob), workers)
         return Job(
@@ -262,12 +268,13 @@ class Session:
         try:
             outcome = supervisor.run()
             stats.outcome = "ok"
-            alone = comm.note(job.world.size, outcome.comm_ops)
+            alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
             if alone:
-                sink.write("stderr", alone + "\n")
+                write_note(sink, alone, WARN)
             if plane is not None:
                 stats.data = plane.summary()
-                sink.write("stderr", "".join(line + "\n" for line in stats.data))
+                for line in stats.data:
+                    write_note(sink, line, INFO)
             if not job.policy.results or outcome.result is None:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
             return results.load(results.decode(outcome.result))
@@ -278,6 +285,16 @@ class Session:
             stats.exit_codes = supervisor.outcome.exit_codes
             stats.comm_ops = supervisor.outcome.comm_ops
             stats.restarts = supervisor.machine.restarts
+
+    def _device_changed(self, options: directive.JobOptions, note: str | None) -> bool:
+        """Whether the device decision of a job with ``options`` (its fallback ``note``, None on
+        CUDA) differs from the last one taas made: the CPU-fallback note shows once per kernel,
+        and again only when the decision changes.  A chosen ``--device`` decides nothing."""
+        if options.device != "auto":
+            return False
+        fact = directive.note_fact(note) if note else None
+        changed, self._device_fact = fact != self._device_fact, fact
+        return changed
 
     # ------------------------------------------------------------------------------------
     def _data_plane(self, values: dict, options, world: int, device: str) -> DataPlane | None:

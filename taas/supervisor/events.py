@@ -11,7 +11,7 @@ ignored: it never fails the job, and the job's output and results still arrive.
     stack     where a rank is, asked for (taas.launch.process.stacks)           -> :class:`Stack`
     up        a rank started the cell's preamble (--stall counts from all up)   -> :class:`Up`
     done      a rank ran the cell to its end and sent all it had                -> :class:`Done`
-    comm      how many operations a rank made on its process groups             -> :class:`Comm`
+    comm      how many operations a rank made on its process groups, how much it trained -> :class:`Comm`
     data.*    the data plane's figures (progress, prefetch, stats)              -> :class:`DataFigure`
 """
 
@@ -55,6 +55,8 @@ class Done:
 @dataclass(frozen=True)
 class Comm:
     ops: int | None  # None: the rank could not count
+    backward: int | None = 0  # backward passes the rank made (taas.rank.comm); None: unknown
+    steps: int | None = 0  # optimizer steps
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,11 @@ def _stack(m: dict) -> Stack:
 
 
 def _comm(m: dict) -> Comm:
-    return Comm(_field(m, "ops", lambda v: v is None or _int(v), "a count"))
+    def count(v):
+        return v is None or _int(v)
+
+    return Comm(_field(m, "ops", count, "a count"), _field(m, "backward", count, "a count", 0),
+                _field(m, "steps", count, "a count", 0))
 
 
 # The fields of each data-plane figure that the plane reads (taas/data/plane.py: on_event and
