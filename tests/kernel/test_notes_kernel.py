@@ -103,3 +103,18 @@ def test_a_succeeding_job_gets_no_layer_hint(kernel, clean, workdir):
     assert run.error is None, run.traceback
     assert "into a layer of its own" not in run.stderr, run.stderr
     assert (workdir / "quiet.txt").read_text() == "fine"
+
+
+def test_accelerates_test_script_under_the_default_layer_gets_the_hint(kernel, clean, workdir):
+    """accelerate's ``process_execution_check`` has every rank append to one file and the main
+    process read it back: under the default layer it fails with only "Main process was not
+    first"; the hint says why and what to use instead."""
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        from accelerate.test_utils.scripts.test_script import process_execution_check
+        process_execution_check()
+        """))
+    assert run.error is not None, run.stdout + run.stderr
+    hints = [line for line in plain(run.stderr).splitlines() if "layer of its own" in line]
+    assert len(hints) == 1 and "check_main_process_first.txt" in hints[0], run.stderr
+    assert "--storage shared" in hints[0]
