@@ -176,7 +176,7 @@ def test_data_parallel_becomes_ddp(kernel, clean):
         """))
     assert run.error is None, run.traceback
     assert "[rank0] True Linear" in per_rank(run.stdout) and "[rank1] True Linear" in per_rank(run.stdout)
-    assert "DistributedDataParallel" in run.stderr
+    assert "DistributedDataParallel" in run.stdout
 
 
 def test_dataloader_workers_inside_a_rank(kernel, clean):
