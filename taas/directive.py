@@ -315,6 +315,13 @@ def resolve_world(opts: JobOptions, cuda_devices: int,
     return world, device, backend, note
 
 
+def note_fact(note: str) -> str:
+    """What a :func:`resolve_world` note states, less the number of ranks: the fact ("no CUDA
+    device here: CPU ranks on gloo") that a session shows once, and again only when it changes
+    (a job on the cluster, or after jobs on CUDA), not for every other ``--gpus N``."""
+    return re.sub(r"running \d+ CPU ranks? on", "running CPU ranks on", note)
+
+
 PRAGMA_RE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+taas(?:[ \t]+(?P<args>.*?))?[ \t]*\r?\n?$")
 CONFIG_LINE_RE = re.compile(r"^#!(?P<name>\S+)\s*$")
 _MAGIC_RE = re.compile(r"^%%taas(?:\s|$)")

@@ -20,7 +20,7 @@ from IPython.display import display, publish_display_data
 from taas import directive
 from taas.errors import DirectiveError, LaunchError, PackagingError, RegistrationError
 from taas.job import package
-from taas.session import Session
+from taas.session import WARN, Session, write_note
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,8 @@ class TaasMagics(Magics):
         log.debug("back in the notebook: %s%s", ", ".join(sorted(result.values)) or "no names",
                   ", and Out" if result.has_out else "")
         shell.user_ns.update(result.values)
-        for note in result.notes:
-            print(note, file=sys.stderr)
+        for note in result.notes:  # a value that did not come back: a WARN note (taas.io.output)
+            write_note(sink, note, WARN)
         return result.out if result.has_out else None
 
     taas.__doc__ = directive.HELP

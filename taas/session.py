@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 from taas import directive
 from taas.errors import DirectiveError, LaunchError
 from taas.io import failure, keys
+from taas.io.output import INFO, WARN, Sink, TerminalSink
+from taas.io.output import note as write_note
 from taas.io.plot import LivePlot
-from taas.io.output import Sink, TerminalSink
 from taas.job import analysis, package, results
 from taas.job import metrics as job_metrics  # also how taas.log / taas.metrics reach it (taas/__init__.py)
 from taas.job.api import Job, Policy, World
@@ -53,8 +54,8 @@ from taas.workdir.cwd import working_directory
 if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
     from taas.data.plane import DataPlane
 
-__all__ = ["CellResult", "JobStats", "Session", "launcher_from_env", "transport_for",
-           "working_directory"]
+__all__ = ["INFO", "WARN", "CellResult", "JobStats", "Session", "launcher_from_env",
+           "transport_for", "working_directory", "write_note"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,9 @@ class Session:
         # ranks ended while no cell ran (the idle limit): the next cell says so.
         self.keeper = Keeper(self._running)
         self._shipped: dict = {}  # what the cell being prepared sends to kept ranks
+        # The device decision taas made for the last job with --device auto, as the fallback
+        # note states it (directive.note_fact; None: CUDA): the note shows when this changes.
+        self._device_fact: str | None = None
 
     def warm(self) -> None:
         self.launcher.warm()
@@ -263,8 +267,10 @@ class Session:
         returning = big.open_results_channel() if options.results and big.files else {}
         if launcher is not self.launcher:
             self.resident.settle()  # a cluster launcher reads the files' bytes to send them
-        for line in ([note] if note else []) + rebound + big.notes:
-            sink.write("stderr", line + "\n")
+        if self._device_changed(options, note) and note:
+            write_note(sink, note, INFO)
+        for line in rebound + big.notes:
+            write_note(sink, line, WARN)
         log.debug("job %s: %d ranks on %s (%s), %d names shipped (%d bytes), %d loader workers",
                   job_id, world, device, backend, len(values), len(blob), workers)
         if keep:
@@ -302,12 +308,13 @@ class Session:
         try:
             outcome = supervisor.run()
             stats.outcome = "ok"
-            alone = comm.note(job.world.size, outcome.comm_ops)
+            alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
             if alone:
-                sink.write("stderr", alone + "\n")
+                write_note(sink, alone, WARN)
             if plane is not None:
                 stats.data = plane.summary()
-                sink.write("stderr", "".join(line + "\n" for line in stats.data))
+                for line in stats.data:
+                    write_note(sink, line, INFO)
             if not job.policy.results or outcome.result is None:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
             return results.load(results.decode(outcome.result), big.channel)
@@ -347,9 +354,9 @@ class Session:
         try:
             outcome = run.run()
             stats.outcome = "ok"
-            alone = comm.note(job.world.size, outcome.comm_ops)
+            alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
             if alone:
-                sink.write("stderr", alone + "\n")
+                write_note(sink, alone, WARN)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
             back = results.load(results.decode(outcome.result))
@@ -371,6 +378,15 @@ class Session:
     def release(self, sink: Sink | None = None) -> str | None:
         """``%taas release``: end the kept ranks; a line saying what ended, or None."""
         return self.keeper.release(sink)
+    def _device_changed(self, options: directive.JobOptions, note: str | None) -> bool:
+        """Whether the device decision of a job with ``options`` (its fallback ``note``, None on
+        CUDA) differs from the last one taas made: the CPU-fallback note shows once per kernel,
+        and again only when the decision changes.  A chosen ``--device`` decides nothing."""
+        if options.device != "auto":
+            return False
+        fact = directive.note_fact(note) if note else None
+        changed, self._device_fact = fact != self._device_fact, fact
+        return changed
 
     # ------------------------------------------------------------------------------------
     def _data_plane(self, values: dict, options, world: int, device: str) -> DataPlane | None:

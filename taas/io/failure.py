@@ -181,6 +181,28 @@ def _order(key: str):
     return keys.order(key)
 
 
+LAYER_SHOWN = 3  # files a layer hint names before "and N more"
+
+
+def layer_hint(written: dict[str, list[str]]) -> str | None:
+    """The one line for a job that failed after processes other than rank 0 wrote files under
+    ``--storage layer`` (``written``: path -> the processes that wrote it): each wrote into a
+    layer of its own, so no other rank saw those files while the job ran -- the usual reason
+    why ranks coordinating through files fail ("Main process was not first").  None: nothing
+    written (caches under ``__pycache__`` do not count)."""
+    paths = sorted(p for p in written if "__pycache__" not in p.split("/"))
+    if not paths:
+        return None
+    who = sorted({w for p in paths for w in written[p]}, key=_order)
+    names = who[0] if len(who) == 1 else ", ".join(who[:-1]) + " and " + who[-1]
+    files = ", ".join(paths[:LAYER_SHOWN]) + (
+        f" and {len(paths) - LAYER_SHOWN} more" if len(paths) > LAYER_SHOWN else "")
+    own = "a layer of its own" if len(who) == 1 else "layers of their own"
+    return (f"taas: {names} wrote {files} into {own} (--storage layer, the default): the other "
+            "ranks could not see these files while the job ran, only after it ended; for ranks "
+            "that share files on purpose, run the cell with --storage shared")
+
+
 def syntax_error(exc: SyntaxError, name_for: Callable[[str], str] | None = None):
     """The cell's SyntaxError as Python shows it, at the cell's own line, without taas's frames
     (a cell that does not compile fails before anything starts: no process, no report)."""

@@ -125,6 +125,26 @@ class Sink(Protocol):
         """Show ``text`` as the in-place progress line of ``key``; ``final``: it is done."""
 
 
+# taas's own notes, and which stream each goes to -- the one rule, and :func:`note` the one way to
+# write one.  Every note is one line starting "taas: ", so that it reads apart from the ranks'
+# lines (tagged "[rankN] " when there is more than one rank).  INFO notes say what taas did for
+# the user, with nothing wrong and nothing to do (the CPU fallback, a loader's summary,
+# DataParallel run as DDP): they go to the cell's stdout, which JupyterLab does not paint red.
+# WARN notes say that something did not go as the cell asked, or ask the user to act (ranks that
+# trained but never communicated, a value not brought back, a loader rebound, big values
+# pickled for lack of room, merged layers' conflicts, the layer hint on failure, restarts,
+# stalls): they go to stderr with the ranks' errors.  (taas.workdir.merge, which may not import
+# this room, writes its WARN notes to stderr itself; a rank writes its own with print.)
+INFO = "stdout"
+WARN = "stderr"
+
+
+def note(sink: Sink | None, line: str, level: str = INFO) -> None:
+    """Write taas's own note ``line`` (one line, "taas: ..."; a trailing newline is added) to
+    ``sink`` (None: the terminal) on the stream of ``level``, :data:`INFO` or :data:`WARN`."""
+    (sink or TerminalSink()).write(level, line.rstrip("\n") + "\n")
+
+
 @dataclass(eq=False)
 class _Bar:
     """One process's open progress line, as the router shows it."""

@@ -6,6 +6,8 @@
   seconds of silence (:func:`stall_line`, :func:`timed_out`, :func:`explain_interrupt`).
 * :func:`job_failed`: the failure report -- every process's report file and fault dump, read
   through the launcher's :class:`~taas.launch.api.JobHandle`, the root cause first.
+* :func:`layer_hint`: after an attempt that did not succeed, the files ranks other than 0 wrote
+  into their ``--storage layer`` layers, which the others could not see meanwhile.
 
 The rendering itself is :mod:`taas.io.hang` and :mod:`taas.io.failure` (pure); this module
 fetches what they render.
@@ -108,3 +110,14 @@ def job_failed(handle, ends: list[failure.ProcessEnd], name_for) -> JobFailed:
     assert root is not None, "job_failed() of an attempt that did not fail"
     others = [end for end in ends if end is not root]
     return JobFailed(failure.summary(root), failure.render(root, others, name_for), root)
+
+
+def layer_hint(report) -> str | None:
+    """The layer hint (:func:`taas.io.failure.layer_hint`) for an attempt that did not succeed,
+    from its merge report (:class:`taas.workdir.merge.MergeReport`, None: no layers): the files
+    that reached the working directory or were set aside, i.e. that differed from what the other
+    ranks saw there (a file written identically to the working directory's changes nothing)."""
+    if report is None:
+        return None
+    differed = set(report.applied) | set(report.conflicts)
+    return failure.layer_hint({p: w for p, w in report.written.items() if p in differed})

@@ -13,7 +13,7 @@ ignored: it never fails the job, and the job's output and results still arrive.
     done      a rank ran the cell to its end and sent all it had                -> :class:`Done`
               (a kept rank: also after the cell raised, with failed=true: it stays for the next)
     metrics   rows a rank's ``taas.log`` recorded (taas.rank.metrics)            -> :class:`Metrics`
-    comm      how many operations a rank made on its process groups             -> :class:`Comm`
+    comm      how many operations a rank made on its process groups, how much it trained -> :class:`Comm`
     data.*    the data plane's figures (progress, prefetch, stats)              -> :class:`DataFigure`
     beat      a rank's figures every second, for the live panel (taas.rank.heartbeat) -> :class:`Beat`
 """
@@ -58,6 +58,8 @@ class Done:
 @dataclass(frozen=True)
 class Comm:
     ops: int | None  # None: the rank could not count
+    backward: int | None = 0  # backward passes the rank made (taas.rank.comm); None: unknown
+    steps: int | None = 0  # optimizer steps
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,11 @@ def _stack(m: dict) -> Stack:
 
 
 def _comm(m: dict) -> Comm:
-    return Comm(_field(m, "ops", lambda v: v is None or _int(v), "a count"))
+    def count(v):
+        return v is None or _int(v)
+
+    return Comm(_field(m, "ops", count, "a count"), _field(m, "backward", count, "a count", 0),
+                _field(m, "steps", count, "a count", 0))
 
 
 BEAT_STATES = ("starting", "running", "waiting")

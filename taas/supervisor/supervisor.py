@@ -26,7 +26,7 @@ from taas.errors import JobFailed, LaunchError
 from taas.io import failure
 from taas.io.board import Board
 from taas.io import keys as names
-from taas.io.output import LineSplitter, OutputRouter
+from taas.io.output import WARN, LineSplitter, OutputRouter, note
 from taas.job.api import PAYLOAD, Job
 from taas.launch.api import RESULT, LaunchSpec, ProcessExit, ProcessSpec, attempt_id
 from taas.shield import deferred_interrupt
@@ -49,6 +49,7 @@ class Outcome:
     result: bytes | None = None
     exit_codes: dict = field(default_factory=dict)
     comm_ops: dict = field(default_factory=dict)  # rank key -> operations on its groups
+    trained: dict = field(default_factory=dict)  # rank key -> {"backward": n, "steps": m}
     restarts: int = 0
 
 
@@ -100,6 +101,7 @@ class Supervisor:
         raises when the job ends failed."""
         job, plane, restart = self.job, self.job.data, self.machine.restarts
         handle = None
+        succeeded = False
         layers = merge.Layers(job.cwd, job.policy.storage == "layer"
                               and (job.world.size > 1 or plane is not None))
         try:
@@ -121,12 +123,13 @@ class Supervisor:
                 self.transition(Ev.ALL_EXITED)
                 if job.policy.results:
                     self.outcome.result = handle.fetch("rank0", RESULT)
+                succeeded = True
                 return True
             router.replay_hidden("--- recent output of {key} ---")
             failed = diagnosis.job_failed(handle, list(ends.values()), self.name_for)
             if self.transition(Ev.STOPPED) is S.RESTARTING:
-                self.sink.write("stderr", f"taas: restart {restart + 1}/{job.policy.max_restarts}: "
-                                f"{failed.summary}\n")
+                note(self.sink, f"taas: restart {restart + 1}/{job.policy.max_restarts}: "
+                     f"{failed.summary}", WARN)
                 return False
             if restart:
                 summary = f"{failed.summary} (after {restart} restart{'s' * (restart != 1)})"
@@ -146,7 +149,10 @@ class Supervisor:
             with deferred_interrupt():
                 if handle is not None:
                     handle.stop(STOP_GRACE)
-                    layers.merge(handle.layers(), job.job_id, self.sink)  # failed attempts' files too
+                    merged = layers.merge(handle.layers(), job.job_id, self.sink)  # failed attempts' too
+                    hint = None if succeeded else diagnosis.layer_hint(merged)
+                    if hint:  # why ranks that read each other's files failed
+                        note(self.sink, hint, WARN)
                     handle.close()
                 if plane is not None:
                     plane.finish(self.sink)
@@ -270,6 +276,7 @@ class Watch:
                 self.up_at = time.monotonic()
         elif isinstance(message, events.Comm):
             self.supervisor.outcome.comm_ops[key] = message.ops
+            self.supervisor.outcome.trained[key] = {"backward": message.backward, "steps": message.steps}
         elif isinstance(message, events.DataFigure):
             self._data_figure(key, message)
         elif isinstance(message, events.Metrics):
@@ -319,7 +326,7 @@ class Watch:
         where = self.places()
         if not self.stopping and self.last_output == since:  # still silent
             self.router.tick()
-            self.sink.write("stderr", diagnosis.stall_line(stall, where))
+            note(self.sink, diagnosis.stall_line(stall, where), WARN)
 
     def _check_timeout(self) -> None:
         timeout = self.job.policy.timeout

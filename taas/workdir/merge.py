@@ -47,6 +47,7 @@ class MergeReport:
     deleted: dict[str, list[str]] = field(default_factory=dict)  # path -> layers that deleted it
     skipped: list[str] = field(default_factory=list)  # special files, not merged
     conflict_dir: str = ""  # as the notes show it (relative to the working directory)
+    written: dict[str, list[str]] = field(default_factory=dict)  # path -> layers that wrote it
 
     def notes(self) -> list[str]:
         """One line per kind of event worth telling the user (none when all merged cleanly)."""
@@ -110,6 +111,7 @@ def merge_layers(target: str, layers: list[tuple[str, str]], since_ns: int,
                     report.skipped.append(rel)
         versions = [v for v in versions if v[2] in ("file", "link")]
         if versions:
+            report.written[rel] = [name for name, _, _ in versions]
             _merge_path(target, rel, versions, since_ns, conflict_dir, report)
     for rel in sorted(dirs, key=len):  # directories a rank made, empty ones included
         real = os.path.join(target, rel)
@@ -283,11 +285,11 @@ class Layers:
         if self.active:
             self.since_ns = clock_mark(self.cwd) or 0  # 0: every existing file counts as touched
 
-    def merge(self, layers: list[tuple[str, str]], job_id: str, sink) -> None:
+    def merge(self, layers: list[tuple[str, str]], job_id: str, sink) -> MergeReport | None:
         """Merge ``layers`` (``(name, upper)``, JobHandle.layers) into the working directory
-        (once), showing the notes; never raises but for Ctrl-C."""
+        (once), showing the notes; the report (None: nothing merged); never raises but for Ctrl-C."""
         if not self.active or self.done:
-            return
+            return None
         self.done = True
         layers = sorted(layers, key=lambda item: _order(item[0]))
         conflicts = os.path.join(self.cwd, ".taas", "conflicts", job_id)
@@ -295,6 +297,7 @@ class Layers:
             result = merge_layers(self.cwd, layers, self.since_ns, conflicts)
         except Exception as exc:  # never lose the job's result over it
             sink.write("stderr", f"taas: could not merge the ranks' layers back: {exc}\n")
-            return
+            return None
         for line in result.notes():
             sink.write("stderr", line + "\n")
+        return result

@@ -17,6 +17,13 @@ from tests.support.ranks import per_rank
 pytestmark = pytest.mark.kernel
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_note_shown(kernel):
+    """Without CUDA a kernel's first taas cell carries the CPU-fallback note (once per kernel, on
+    stdout); these tests read a cell's whole stdout, so a first cell shows the note before them."""
+    kernel.run("%%taas --gpus 1\npass")
+
+
 def test_identical_lines_show_once_with_their_ranks(kernel, clean):
     run = kernel.run(cell("""
         %%taas --gpus 4

@@ -115,8 +115,8 @@ def test_every_unit_exactly_once_in_passes_with_equal_structures(kernel, clean):
     assert per_rank[0][0][1] != per_rank[0][1][1]  # reshuffled per pass
     shown = " ".join(str(data.get("text/plain", "")) for _, data in run.displays)
     assert "units ready" in shown and "/15 units ready" in shown
-    summary = [line for line in run.stderr.splitlines() if "units delivered" in line]
-    assert len(summary) == 1 and "15/15 units delivered to 2 ranks by 2 workers" in summary[0], run.stderr
+    summary = [line for line in run.stdout.splitlines() if "units delivered" in line]
+    assert len(summary) == 1 and "15/15 units delivered to 2 ranks by 2 workers" in summary[0], run.stdout
     assert re.search(r"ranks waited for data \d+\.\d% of the time", summary[0])
 
 
@@ -198,7 +198,7 @@ def test_a_rank_that_stops_early_ends_the_job_promptly(kernel, clean):
     run = kernel.run("%%taas --gpus 2 --cpus 2 --units 1000\nfor b in slow:\n    break\nprint('done')")
     assert run.error is None, run.traceback
     assert time.monotonic() - started < 120  # the workers stopped once the ranks were done
-    assert "2/1000 units delivered" in run.stderr
+    assert "2/1000 units delivered" in run.stdout
 
 
 @pytest.mark.parametrize("how, expected", [
@@ -258,8 +258,8 @@ def test_malformed_data_events_from_a_rank_are_ignored(kernel, clean):
         """))
     assert run.error is None, run.traceback
     assert sum(int(n) for n in re.findall(r"got (\d+)", run.stdout)) == 22, run.stdout
-    summary = [line for line in run.stderr.splitlines() if "units delivered" in line]
-    assert len(summary) == 1 and "6/6 units delivered to 2 ranks by 1 worker" in summary[0], run.stderr
+    summary = [line for line in run.stdout.splitlines() if "units delivered" in line]
+    assert len(summary) == 1 and "6/6 units delivered to 2 ranks by 1 worker" in summary[0], run.stdout
 
 
 def test_register_errors_and_status_in_the_notebook(kernel):

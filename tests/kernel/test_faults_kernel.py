@@ -12,6 +12,13 @@ from tests.support.ranks import per_rank
 pytestmark = pytest.mark.kernel
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_note_shown(kernel):
+    """Without CUDA a kernel's first taas cell carries the CPU-fallback note (once per kernel, on
+    stdout); these tests read a cell's whole stdout, so a first cell shows the note before them."""
+    kernel.run("%%taas --gpus 1\npass")
+
+
 # -- 1: only a real directive line is a directive ------------------------------------------------
 @pytest.mark.parametrize("code", [
     's = """\n#pragma taas --gpus 2\n"""\nimport os\nprint("plain", os.getpid(), len(s))',

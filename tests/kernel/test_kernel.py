@@ -52,7 +52,7 @@ def test_pragma_cell_runs_ranks_with_notebook_code_and_brings_results_back(kerne
     assert run.error is None, run.traceback
     assert "[rank0] rank 0 of 2 backend gloo" in run.stdout
     assert "[rank1] rank 1 of 2 backend gloo" in run.stdout
-    assert "no CUDA device" in run.stderr and run.stderr.count("no CUDA device") == 1
+    assert "no CUDA device" in run.stdout and run.stdout.count("no CUDA device") == 1
     assert run.result == "30"
     check = kernel.run("print(type(model).__name__, isinstance(model, Net), len(losses), losses[-1] < losses[0])")
     assert check.stdout.strip() == "Net True 3 True", check.traceback
@@ -176,7 +176,7 @@ def test_data_parallel_becomes_ddp(kernel, clean):
         """))
     assert run.error is None, run.traceback
     assert "[rank0] True Linear" in per_rank(run.stdout) and "[rank1] True Linear" in per_rank(run.stdout)
-    assert "DistributedDataParallel" in run.stderr
+    assert "DistributedDataParallel" in run.stdout
 
 
 def test_dataloader_workers_inside_a_rank(kernel, clean):

@@ -171,7 +171,10 @@ ALONE = "the 2 ranks never communicated"
 
 
 def test_ranks_that_never_communicate_are_told(kernel, clean):
-    run = kernel.run("%%taas --gpus 2\nimport torch\nmodel = torch.nn.Linear(2, 1)\nprint('alone')")
+    # Ranks that train (backward passes, optimizer steps) but never make a collective.
+    run = kernel.run("%%taas --gpus 2\nimport torch\nmodel = torch.nn.Linear(2, 1)\n"
+                     "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                     "model(torch.ones(3, 2)).sum().backward(); opt.step()\nprint('alone')")
     assert run.error is None, run.traceback
     assert run.stderr.count(ALONE) == 1, run.stderr
 

@@ -9,6 +9,7 @@ from taas.directive import (
     PRAGMA_RE,
     JobOptions,
     format_options,
+    note_fact,
     parse_options,
     pragma_transformer,
     resolve_world,
@@ -437,3 +438,12 @@ def test_transformer_misplaced_pragma(cell, lineno):
     assert "\n" not in message
     assert "#pragma taas" in message and "first line" in message
     assert f"line {lineno} " in message, message
+
+
+def test_the_fallback_notes_fact_leaves_out_the_rank_count():
+    two = resolve_world(parse_options("--gpus 2"), 0)[3]
+    three = resolve_world(parse_options("--gpus 3"), 0)[3]
+    one = resolve_world(parse_options(""), 0)[3]
+    cluster = resolve_world(parse_options("--gpus 2"), 0, where="the cluster")[3]
+    assert note_fact(two) == note_fact(three) == note_fact(one) != note_fact(cluster)
+    assert note_fact(two) == "taas: no CUDA device here: running CPU ranks on gloo"

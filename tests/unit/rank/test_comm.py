@@ -106,3 +106,66 @@ def test_point_to_point_calls_are_counted(tmp_path):
     # Counted at least once (gloo numbers it as well as the patched call: the note only asks
     # "zero or not").
     assert event["ops"] is not None and event["ops"] >= 1, event
+
+
+# -- training: the note needs ranks that trained -----------------------------------------------
+def test_ranks_that_did_not_train_get_no_note():
+    idle = {"backward": 0, "steps": 0}
+    assert comm.note(2, {"rank0": 0, "rank1": 0}, {"rank0": idle, "rank1": idle}) is None
+    assert comm.note(2, {"rank0": 0, "rank1": 0}, {}) is None  # no rank said it trained
+
+
+def test_ranks_that_trained_alone_get_the_note_with_what_they_did():
+    trained = {"rank0": {"backward": 3, "steps": 3}, "rank1": {"backward": 3, "steps": None}}
+    line = comm.note(2, {"rank0": 0, "rank1": 0}, trained)
+    assert line is not None and line.startswith("taas: the 2 ranks never communicated")
+    assert "while they trained (6 backward passes and 3 optimizer steps in all)" in line
+    assert "\n" not in line
+
+
+def test_ranks_that_trained_and_communicated_get_no_note():
+    trained = {"rank0": {"backward": 3, "steps": 3}, "rank1": {"backward": 3, "steps": 3}}
+    assert comm.note(2, {"rank0": 7, "rank1": 7}, trained) is None
+
+
+def train_steps(model, steps: int = 2) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+
+
+def test_a_print_only_cell_reports_no_training(tmp_path):
+    (event,) = counted(tmp_path, lambda: print("only printing"), world=2)
+    assert event == {"kind": "comm", "ops": 0}
+    assert comm.note(2, {"rank0": 0, "rank1": 0}, {"rank0": {}, "rank1": {}}) is None
+
+
+def test_training_without_collectives_is_counted_and_noted(tmp_path):
+    (event,) = counted(tmp_path, lambda: train_steps(torch.nn.Linear(3, 1)), world=2)
+    assert event == {"kind": "comm", "ops": 0, "backward": 2, "steps": 2}
+    both = {"rank0": {"backward": 2, "steps": 2}, "rank1": {"backward": 2, "steps": 2}}
+    assert comm.note(2, {"rank0": 0, "rank1": 0}, both) is not None
+
+
+def test_training_with_ddp_counts_collectives_too(tmp_path):
+    def cell():
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_steps(DDP(torch.nn.Linear(3, 1)))
+
+    (event,) = counted(tmp_path, cell, world=2)
+    assert event["ops"] and event["ops"] > 0 and event["backward"] == 2 and event["steps"] == 2
+    both = {"rank0": {"backward": 2, "steps": 2}, "rank1": {"backward": 2, "steps": 2}}
+    assert comm.note(2, {"rank0": event["ops"], "rank1": event["ops"]}, both) is None
+
+
+def test_tensor_backward_and_autograd_backward_both_count_once(tmp_path):
+    def cell():
+        x = torch.ones(2, requires_grad=True)
+        (x * 2).sum().backward()
+        torch.autograd.backward((x * 3).sum())
+
+    (event,) = counted(tmp_path, cell)
+    assert event == {"kind": "comm", "ops": 0, "backward": 2}

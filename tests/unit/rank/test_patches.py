@@ -19,10 +19,14 @@ NOTE = "taas: nn.DataParallel inside a rank runs as DistributedDataParallel over
 
 
 def in_a_rank(tmp_path, cell) -> str:
-    """Run ``cell()`` in a patched one-rank CPU job; its stderr (AssertionErrors fail the test)."""
+    """Run ``cell()`` in a patched one-rank CPU job; its stdout and stderr (AssertionErrors fail
+    the test)."""
     store = tmp_path / "store"
 
     def body() -> int:
+        import sys
+
+        sys.stdout = sys.stderr  # the DataParallel note is on the rank's stdout: read with stderr
         patches.install("cpu")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
         cell()
