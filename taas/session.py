@@ -22,7 +22,6 @@ and scripts call it directly with a plain dict as the namespace.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -43,17 +42,19 @@ from taas.job.api import Job, Policy, World
 from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.resident import ResidentMemory
 from taas.job.results import CellResult
-from taas.launch.api import Topology, cuda_device_count
-from taas.launch.local.launcher import LocalLauncher
+from taas.launch.api import cuda_device_count
 from taas.rank import comm
 from taas.supervisor.cell import KeptCell
 from taas.supervisor.kept import Kept, Keeper
 from taas.supervisor.supervisor import Supervisor
+from taas.wiring import launcher_from_env, process_env, rebound_loaders, transport_for
 from taas.workdir.cwd import working_directory
 
 if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
     from taas.data.plane import DataPlane
 
+# Re-exported: tests and scripts reach these through the session.
+_rebound_loaders = rebound_loaders
 __all__ = ["INFO", "WARN", "CellResult", "JobStats", "Session", "launcher_from_env",
            "transport_for", "working_directory", "write_note"]
 
@@ -75,19 +76,6 @@ class JobStats:
     comm_ops: dict = field(default_factory=dict)  # rank key -> operations on its groups (comm)
     restarts: int = 0
     cluster: str | None = None  # the Ray cluster's address, None on this machine
-
-
-def transport_for(topology: Topology):
-    """The data plane's transport where ``topology`` puts the ranks: shared memory when every
-    process runs on the kernel's machine, else TCP streams into a relay per node."""
-    if topology.kernel_machine:
-        from taas.data.shm.transport import ShmTransport
-
-        return ShmTransport
-    from taas.data.tcp.transport import TcpTransport
-
-    return functools.partial(TcpTransport, host=topology.host, ranks_per_node=topology.rank_nodes,
-                             node_ids=topology.node_ids)
 
 
 class Session:
@@ -246,7 +234,7 @@ class Session:
         values = package.select(cell.free, namespace, hidden)
         if kept is not None:  # kept ranks: only what they lack or the notebook changed
             values = {k: v for k, v in values.items() if not kept.holds(k, v)}
-        rebound = _rebound_loaders(namespace, values)
+        rebound = rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)
         if plane is not None and keep:
             raise DirectiveError(
@@ -289,7 +277,7 @@ class Session:
                           show=None if options.show is None else frozenset(keys.rank_key(r) for r in options.show),
                           results=options.results),
             data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
-            env=dict(_process_env(world) | returning, **({"TAAS_KEEP": "1"} if keep else {})),
+            env=dict(process_env(world) | returning, **({"TAAS_KEEP": "1"} if keep else {})),
             shared_fds=tuple(big.fds),  # resident big tensors, results channel
             cleanups=tuple(big.cleanups()),
         ), plane, big
@@ -395,48 +383,3 @@ class Session:
         from taas.data.plane import DataPlane
 
         return DataPlane.plan(values, options, world, device)
-
-
-def launcher_from_env():
-    """The launcher named by ``TAAS_LAUNCHER`` (``"module:Class"``, for a second implementation
-    of :mod:`taas.launch.api`), else the local one."""
-    name = os.environ.get("TAAS_LAUNCHER", "")
-    if not name:
-        return LocalLauncher()
-    import importlib
-
-    module, _, cls = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), cls)()
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise LaunchError(f"TAAS_LAUNCHER={name!r} names no launcher ({exc}); unset it to use "
-                          "the local one") from None
-
-
-def _process_env(world: int) -> dict[str, str]:
-    """What every process of a job gets besides the launcher's rendezvous variables."""
-    env = {"MPLBACKEND": "module://taas.rank.mpl_backend", "PYTHONUNBUFFERED": "1"}
-    if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-    return env
-
-
-def _rebound_loaders(namespace: dict, values: dict) -> list[str]:
-    """Notes for names the cell (or a notebook function it calls) reads that referred to a
-    registered loader and were assigned again since (see ``registry.rebound``)."""
-    from taas.data import registry
-    from taas.job.package import _referenced_globals
-
-    if not registry._entries:
-        return []
-    registry.remember_names(namespace)
-    names, seen, stack = set(values), set(), list(values.values())
-    while stack:  # globals read by notebook functions and classes, transitively
-        value = stack.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        for name, ref in _referenced_globals(value).items():
-            names.add(name)
-            stack.append(ref)
-    return registry.rebound(namespace, names)

@@ -52,7 +52,10 @@ ROOMS: dict[str, set[str]] = {
     # it picks the launcher and the transport).
     "taas.supervisor": {"taas.errors", "taas.shield", "taas.io", "taas.job", "taas.workdir",
                         "taas.launch", "taas.data"},
-    "taas.session": {"taas.errors", "taas.shield", "taas.directive", "taas.io", "taas.job",
+    # The composition root's plain choices: the default launcher, the transport, processes' env.
+    "taas.wiring": {"taas.errors", "taas.launch", "taas.launch.local", "taas.data", "taas.data.shm",
+                    "taas.data.tcp", "taas.job"},
+    "taas.session": {"taas.wiring", "taas.errors", "taas.shield", "taas.directive", "taas.io", "taas.job",
                      "taas.job.memory", "taas.workdir", "taas.launch", "taas.launch.local",
                      "taas.launch.ray", "taas.data", "taas.data.shm", "taas.data.tcp",
                      "taas.rank", "taas.supervisor"},
