@@ -223,6 +223,8 @@ class Session:
         arrays went out through (the caller closes them).  Everything that can fail before
         launch fails here: a syntax error, a value that cannot be shipped, more processes than
         the launcher has room for."""
+        # Long on purpose: every check that can refuse the cell runs here, in order, before
+        # anything is written or started.
         cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
         local_cuda = cuda_devices if launcher is self.launcher else cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices, launcher.where)

@@ -114,6 +114,8 @@ class _Walker:
         return bound
 
     def stmt(self, s: ast.stmt, bound: set[str], top: bool) -> None:
+        # Long on purpose: one branch per kind of statement, read side by side, is how the
+        # binding rules are checked against the language reference.
         ex = lambda node: self.expr(node, bound, top)  # noqa: E731
         if isinstance(s, _FUNCS + (ast.ClassDef,)):
             for node in s.decorator_list:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 
 def main(spec) -> int:
+    # Long on purpose: a rank's whole life in order (set-up, the cell, results, teardown) under
+    # one try, so that every way out (an exception, sys.exit, a signal) ends the same way.
     job_dir = os.environ["TAAS_JOB_DIR"]
     key = spec.key
     rank = int(os.environ["RANK"])

@@ -99,6 +99,8 @@ class Supervisor:
     def _attempt(self, started: float) -> bool:
         """One attempt: True when it succeeded, False when it failed and a restart follows;
         raises when the job ends failed."""
+        # Long on purpose: start, watch and stop of one attempt under one try/finally, so that
+        # the attempt's processes, layers and data plane are closed on every way out.
         job, plane, restart = self.job, self.job.data, self.machine.restarts
         handle = None
         succeeded = False
