@@ -57,6 +57,10 @@ def stop() -> None:
 
 
 def _beat(main: int, filename: str, device: str) -> None:
+    # The first beat comes a second in: the panel shows from two seconds into a job, and a
+    # cell that ends sooner never pays for psutil's import and a first sample.
+    if _stop.wait(INTERVAL):
+        return
     sampler = Sampler(main, filename, device)
     while not _stop.is_set():
         try:

@@ -105,16 +105,24 @@ def _beats(fd: int) -> list[dict]:
     return [json.loads(line) for line in data.decode().splitlines()]
 
 
-def test_it_beats_at_once_then_every_interval_and_stops(events_pipe, monkeypatch):
+def _wait_for_beats(fd: int, until, timeout: float = 30.0) -> list[dict]:
+    """Beats read from ``fd`` until ``until(beats)`` holds (the test waits for events)."""
+    beats: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while not until(beats):
+        assert time.monotonic() < deadline, beats
+        beats += _beats(fd)
+        time.sleep(0.01)
+    return beats
+
+
+def test_it_beats_from_one_interval_in_then_every_interval_and_stops(events_pipe, monkeypatch):
     monkeypatch.setattr(heartbeat, "INTERVAL", 0.05)
     heartbeat.start(CELL, "cpu")
-    time.sleep(0.02)
-    first = _beats(events_pipe)
+    first = _wait_for_beats(events_pipe, lambda beats: beats)
     assert [b["kind"] for b in first] == ["beat"] and first[0]["state"] == "starting"
     heartbeat.running()
-    time.sleep(0.2)
-    later = _beats(events_pipe)
-    assert len(later) >= 2 and later[-1]["state"] == "running"
+    later = _wait_for_beats(events_pipe, lambda beats: len(beats) >= 2 and beats[-1]["state"] == "running")
     heartbeat.stop()
     time.sleep(0.1)
     _beats(events_pipe)
@@ -123,3 +131,13 @@ def test_it_beats_at_once_then_every_interval_and_stops(events_pipe, monkeypatch
     from taas.supervisor import events
 
     assert isinstance(events.read(json.dumps(later[-1])), events.Beat)  # what the kernel reads
+
+
+def test_a_cell_shorter_than_an_interval_never_samples(events_pipe, monkeypatch):
+    monkeypatch.setattr(heartbeat, "INTERVAL", 5.0)
+    made = []
+    monkeypatch.setattr(heartbeat, "Sampler", lambda *args: made.append(args))
+    heartbeat.start(CELL, "cpu")
+    heartbeat.stop()  # the cell ended before the first beat was due
+    time.sleep(0.1)
+    assert made == [] and _beats(events_pipe) == []
