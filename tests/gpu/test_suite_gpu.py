@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.gpu.harness import gpu_returns_to, notebook
+from tests.support.notebooks import tiny_bert_notebook
 
 GiB = 1 << 30
 
@@ -54,23 +55,7 @@ def test_results_come_back_on_cpu_and_the_gpu_is_freed_after_the_job(run, clean,
 
 
 def test_hugging_face_trainer_trains_on_the_ranks_gpu(run, clean, tmp_path):
-    namespace = notebook(f"""
-        import torch
-        from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
-        torch.manual_seed(0)
-        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=16, num_labels=2)
-        model = BertForSequenceClassification(config)
-        class Synthetic(torch.utils.data.Dataset):
-            def __len__(self):
-                return 32
-            def __getitem__(self, i):
-                g = torch.Generator().manual_seed(i)
-                return {{"input_ids": torch.randint(0, 32, (8,), generator=g), "labels": i % 2}}
-        ds = Synthetic()
-        args = TrainingArguments(output_dir={str(tmp_path / "hf-out")!r}, max_steps=4,
-                                 per_device_train_batch_size=4, report_to=[], save_strategy="no")
-        """)
+    namespace = notebook(tiny_bert_notebook(str(tmp_path / "hf-out")))
     r = run("""
         from transformers import Trainer
         trainer = Trainer(model, args, train_dataset=ds)

@@ -10,6 +10,7 @@ import ast
 import pytest
 
 from tests.support.kernel_driver import OFFLINE, cell
+from tests.support.notebooks import tiny_bert_notebook
 from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
@@ -67,24 +68,7 @@ def test_notebook_log_and_all_jobs(kernel, clean):
 
 
 def test_hugging_face_trainer_logs_feed_the_plot_and_history(kernel, clean, workdir):
-    setup = kernel.run(cell(f"""
-        import torch
-        from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
-        torch.manual_seed(0)
-        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=16, num_labels=2)
-        model = BertForSequenceClassification(config)
-        class Synthetic(torch.utils.data.Dataset):
-            def __len__(self):
-                return 32
-            def __getitem__(self, i):
-                g = torch.Generator().manual_seed(i)
-                return {{"input_ids": torch.randint(0, 32, (8,), generator=g), "labels": i % 2}}
-        ds = Synthetic()
-        args = TrainingArguments(output_dir={str(workdir / "hf-metrics")!r}, use_cpu=True, max_steps=4,
-                                 per_device_train_batch_size=4, report_to=[], save_strategy="no",
-                                 logging_steps=1)
-        """))
+    setup = kernel.run(tiny_bert_notebook(str(workdir / "hf-metrics"), use_cpu=True, logging_steps=1))
     assert setup.error is None, setup.traceback
     run = kernel.run("%%taas --gpus 2\ntrainer = Trainer(model, args, train_dataset=ds)\ntrainer.train()")
     assert run.error is None, run.traceback

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tests.support.kernel_driver import OFFLINE, cell, plain
+from tests.support.notebooks import tiny_bert_notebook
 from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
@@ -67,24 +68,8 @@ def test_unshippable_global_of_a_function_gets_advice_that_fits(kernel):
 
 # -- A2: Hugging Face TrainingArguments built in the notebook ----------------------------------
 def test_training_arguments_from_the_notebook_describe_the_job(kernel, clean, workdir):
-    setup = kernel.run(cell(f"""
-        import torch
-        from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
-        torch.manual_seed(0)
-        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=16, num_labels=2)
-        model = BertForSequenceClassification(config)
-        class Synthetic(torch.utils.data.Dataset):
-            def __len__(self):
-                return 32
-            def __getitem__(self, i):
-                g = torch.Generator().manual_seed(i)
-                return {{"input_ids": torch.randint(0, 32, (8,), generator=g), "labels": i % 2}}
-        ds = Synthetic()
-        args = TrainingArguments(output_dir={str(workdir / "hf-out")!r}, use_cpu=True, max_steps=4,
-                                 per_device_train_batch_size=4, report_to=[], save_strategy="no")
-        print("kernel", args.world_size)
-        """))
+    setup = kernel.run(tiny_bert_notebook(str(workdir / "hf-out"), use_cpu=True)
+                       + 'print("kernel", args.world_size)')
     assert setup.error is None, setup.traceback
     assert setup.stdout.strip() == "kernel 1"
     run = kernel.run(cell("""

@@ -1,0 +1,35 @@
+"""Notebook cells several test modules write the same way (plain source strings).
+
+A user brings a Hugging Face model, dataset and ``TrainingArguments`` built in one cell and
+trains them in the taas cell; the kernel tests, the metrics tests and the GPU suite all start
+from that same notebook cell.  Nothing here imports jupyter_client or IPython (the GPU machine
+has neither): these are strings.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+
+def tiny_bert_notebook(output_dir: str, **training_args: object) -> str:
+    """A notebook cell that builds a tiny random BERT classifier (``model``), a 32-example
+    synthetic dataset (``ds``) and ``TrainingArguments`` (``args``: 4 steps of 4 examples, no
+    reports, no checkpoints, plus ``training_args``), as a user writes it before a taas cell."""
+    extra = "".join(f", {name}={value!r}" for name, value in training_args.items())
+    return textwrap.dedent(f"""\
+        import torch
+        from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=16, num_labels=2)
+        model = BertForSequenceClassification(config)
+        class Synthetic(torch.utils.data.Dataset):
+            def __len__(self):
+                return 32
+            def __getitem__(self, i):
+                g = torch.Generator().manual_seed(i)
+                return {{"input_ids": torch.randint(0, 32, (8,), generator=g), "labels": i % 2}}
+        ds = Synthetic()
+        args = TrainingArguments(output_dir={output_dir!r}, max_steps=4, per_device_train_batch_size=4,
+                                 report_to=[], save_strategy="no"{extra})
+        """)
