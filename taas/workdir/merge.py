@@ -33,6 +33,8 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 
+from taas.io import keys
+
 __all__ = ["MergeReport", "merge_layers", "clock_mark"]
 
 _SHOWN = 4  # paths named in a note before "and N more"
@@ -53,14 +55,14 @@ class MergeReport:
         """One line per kind of event worth telling the user (none when all merged cleanly)."""
         notes = []
         if self.conflicts:
-            who = sorted({name for names in self.conflicts.values() for name in names}, key=_order)
+            who = sorted({name for names in self.conflicts.values() for name in names}, key=keys.order)
             notes.append(
                 f"taas: {_names(who)} wrote {_paths(self.conflicts)} differently from rank 0 or "
                 f"each other: the working directory keeps rank 0's version (or the one from "
                 f"before the job); the other copies are in {self.conflict_dir}/ (for ranks that "
                 f"share files on purpose: --storage shared)")
         if self.deleted:
-            who = sorted({name for names in self.deleted.values() for name in names}, key=_order)
+            who = sorted({name for names in self.deleted.values() for name in names}, key=keys.order)
             notes.append(f"taas: {_names(who)} deleted {_paths(self.deleted)}: deletions by ranks "
                          "other than 0 are not applied to the working directory")
         if self.skipped:
@@ -256,11 +258,6 @@ def _inside(child: str, parent: str) -> bool:
     return child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def _order(name: str):
-    digits = "".join(c for c in name if c.isdigit())
-    return (not name.startswith("rank"), int(digits) if digits else 0, name)
-
-
 def _names(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
@@ -291,7 +288,7 @@ class Layers:
         if not self.active or self.done:
             return None
         self.done = True
-        layers = sorted(layers, key=lambda item: _order(item[0]))
+        layers = sorted(layers, key=lambda item: keys.order(item[0]))
         conflicts = os.path.join(self.cwd, ".taas", "conflicts", job_id)
         try:
             result = merge_layers(self.cwd, layers, self.since_ns, conflicts)

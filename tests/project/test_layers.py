@@ -31,7 +31,7 @@ ROOMS: dict[str, set[str]] = {
     "taas.io": {"taas.errors"},
     "taas.job.memory": {"taas.errors"},
     "taas.job": {"taas.errors", "taas.job.memory"},
-    "taas.workdir": {"taas.errors"},
+    "taas.workdir": {"taas.errors", "taas.io"},
     # The launcher contract (api, rendezvous) and what a launched process may use.
     "taas.launch": {"taas.errors", "taas.shield"},
     "taas.launch.process": {"taas.launch"},

@@ -175,3 +175,27 @@ def test_a_note_names_a_few_paths_then_counts(tree):
         write(upper(layers, "rank1") / f"f{i}", "1")
     [note] = merge(work, layers, conflicts, since).notes()
     assert "f0, f1, f2, f3 and 2 more" in note and "\n" not in note
+
+
+class _Sink:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def write(self, stream, text):
+        self.lines.append(text)
+
+
+def test_layers_merge_in_rank_order_and_notes_name_ranks_by_number(tree):
+    from taas.workdir.merge import Layers
+
+    work, layers_root, _ = tree
+    layers = Layers(str(work), active=True)
+    layers.mark()
+    for name in ("rank10", "rank2", "loader:data:0"):
+        write(upper(layers_root, name) / "out.txt", f"from {name}")
+    sink = _Sink()
+    given = [(n, str(layers_root / n / "upper")) for n in ("rank10", "loader:data:0", "rank2")]
+    report = layers.merge(given, "job1", sink)
+    assert report is not None and report.conflicts
+    assert "rank2, rank10 and loader:data:0 wrote out.txt differently" in "".join(sink.lines), sink.lines
+    assert layers.merge(given, "job1", sink) is None  # once per attempt
