@@ -11,7 +11,6 @@ fresh interpreter, never this one).
 from __future__ import annotations
 
 import os
-import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -20,14 +19,8 @@ import psutil
 from taas import directive
 from taas.errors import TaasError
 from taas.session import JobStats, Session
-
-# Hugging Face libraries in the test process and its ranks (which inherit it) stay offline.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def cell(text: str) -> str:
-    """A cell's source written indented inside a test."""
-    return textwrap.dedent(text).strip("\n")
+from tests.support.notebooks import OFFLINE, cell  # noqa: F401 (the GPU tests import them from here)
+from tests.support.processes import wait_until_gone
 
 
 class Recorder:
@@ -97,24 +90,6 @@ def notebook(source: str, **names) -> dict:
 
 
 # -- what a job leaves behind ------------------------------------------------------------------
-def is_alive(pid: int) -> bool:
-    """``pid`` is a live process (a zombie is not: it has ended, unreaped)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_until_gone(pids, timeout: float = 5.0) -> list[int]:
-    """The pids of ``pids`` still alive after ``timeout`` seconds (polled: returns when none is)."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while time.monotonic() < deadline:
-        alive = [p for p in alive if is_alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return alive
 
 
 def _name(p: psutil.Process) -> str:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import shutil
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -15,21 +13,11 @@ import psutil
 from jupyter_client import KernelManager
 from traitlets import List, Unicode
 
+from tests.support.notebooks import OFFLINE, cell, plain  # noqa: F401 (tests import these from here too)
 from tests.support.paths import with_repo_on_path
-
-
-# No downloads: Hugging Face libraries in the kernel and its ranks (which inherit it) stay offline.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def cell(text: str) -> str:
-    """A cell's source written indented inside a test."""
-    return textwrap.dedent(text).strip("\n")
-
-
-def plain(text: str) -> str:
-    """``text`` without terminal colours (IPython colours tracebacks)."""
-    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+from tests.support.processes import (  # noqa: F401 (tests import these from here too)
+    cmdline, is_alive, listening_ports, open_files, process_name, shm_entries, unmapped_shm, wait_for,
+    wait_until_gone)
 
 
 def one_line_usage_error(run) -> str:
@@ -175,91 +163,3 @@ def _answers(get, msg_id: str, timeout: float):
             yield msg
 
 
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
-def listening_ports(pids: set[int]) -> set[int]:
-    ports = set()
-    for conn in psutil.net_connections(kind="inet"):
-        if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
-            ports.add(conn.laddr.port)
-    return ports
-
-
-def wait_for(predicate, timeout: float = 300.0, what: str = "the condition"):
-    """Poll ``predicate`` until it returns something true (returned); an event, not a time:
-    ``timeout`` is an upper bound that only a real failure reaches."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen in {timeout}s")
-        time.sleep(0.05)
-
-
-def wait_until_gone(pids, timeout: float = 5.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while time.monotonic() < deadline:
-        alive = [p for p in alive if is_alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return alive
-
-
-def is_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie is not: it has ended, unreaped)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def unmapped_shm(names: set, wait: float = 3.0) -> set:
-    """The /dev/shm entries among ``names`` that no process maps: leaked.  (Other kernels on
-    this machine may be running jobs too: their segments are mapped, not ours to judge.)"""
-    deadline = time.monotonic() + wait
-    while True:
-        left = {n for n in names if os.path.exists(f"/dev/shm/{n}")}
-        if left:
-            mapped = set()
-            for pid in os.listdir("/proc"):
-                if pid.isdigit():
-                    try:
-                        with open(f"/proc/{pid}/maps") as f:
-                            text = f.read()
-                    except OSError:
-                        continue
-                    mapped |= {n for n in left if f"/dev/shm/{n}" in text}
-            left -= mapped
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
-def process_name(p: psutil.Process) -> str:
-    try:
-        return p.name()
-    except psutil.Error:
-        return ""
-
-
-def cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
-
-
-def open_files(p: psutil.Process) -> list:
-    try:
-        return p.open_files()
-    except psutil.Error:
-        return []

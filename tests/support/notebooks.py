@@ -1,4 +1,5 @@
-"""Notebook cells several test modules write the same way (plain source strings).
+"""Notebook cells as tests write them (plain source strings), and the cells several test
+modules write the same way.
 
 A user brings a Hugging Face model, dataset and ``TrainingArguments`` built in one cell and
 trains them in the taas cell; the kernel tests, the metrics tests and the GPU suite all start
@@ -8,7 +9,21 @@ has neither): these are strings.
 
 from __future__ import annotations
 
+import re
 import textwrap
+
+# No downloads: Hugging Face libraries in the kernel and its ranks (which inherit it) stay offline.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def cell(text: str) -> str:
+    """A cell's source written indented inside a test."""
+    return textwrap.dedent(text).strip("\n")
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal colours (IPython colours tracebacks)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def tiny_bert_notebook(output_dir: str, **training_args: object) -> str:
