@@ -1,5 +1,5 @@
 """Helpers of the data-plane tests (tests/unit/data/...): unit structures and their equality,
-a job's shared-memory names, and a cleanup hook run as the launcher runs it.  Test modules
+a job's shared-memory names, a cleanup hook run as the launcher runs it, and reading a socket to its end.  Test modules
 import these from here, never from one another (the ``registered`` fixture is in
 tests/unit/data/conftest.py)."""
 
@@ -68,3 +68,17 @@ def run_hook(hook) -> None:
             "m, _, f = entry.partition(':'); getattr(importlib.import_module(m), f)(*args)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], input=pickle.dumps(hook), env=env, check=True, timeout=120)
+
+
+def read_to_end(sock) -> bytes:
+    """Every byte a peer sends on ``sock`` until it closes (or resets) the connection."""
+    sock.settimeout(60)
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk

@@ -17,7 +17,6 @@ import torch
 
 from taas import directive
 from taas.data import loader_worker as worker
-from taas.data import registry
 from taas.data.plane import DataPlane
 from taas.data.view import LoaderView, Pinning, pinned, pinning_for
 from tests.support.forks import exit_code, fork_job_process, no_leftover_children  # noqa: F401 (an autouse fixture)
@@ -95,20 +94,6 @@ def test_the_real_pin_keeps_requires_grad_a_leaf(monkeypatch):
     t = torch.ones(3, requires_grad=True)
     p = view._pin_tensor(t)
     assert p.requires_grad and p.is_leaf and torch.equal(p.detach(), t.detach())
-
-
-@pytest.fixture
-def registered():
-    made = []
-
-    def register(value, **kw):
-        registry.register(value, **kw)
-        made.append(value)
-        return value
-
-    yield register
-    for value in made:
-        registry.unregister(value)
 
 
 def run_view(data, options: str, pinning_of, device: str, tmp_path):

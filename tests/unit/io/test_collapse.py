@@ -7,6 +7,7 @@ import pytest
 from taas.io.collapse import Collapser, Shown, bar_shape, expand, tag
 from taas.io.output import LineSplitter, OutputRouter
 from tests.support.ranks import per_rank
+from tests.support.sinks import Recorder
 
 
 @pytest.mark.parametrize("ranks, text", [
@@ -171,21 +172,6 @@ def test_distinct_lines_cost_linear_work():
 ])
 def test_bar_shape(a, b, same):
     assert (bar_shape(a) == bar_shape(b)) is same
-
-
-class Recorder:
-    def __init__(self):
-        self.out: list[tuple[str, str]] = []
-        self.bars: list[tuple[str, str, bool]] = []
-
-    def write(self, stream, text):
-        self.out.append((stream, text))
-
-    def progress(self, key, stream, text, final):
-        self.bars.append((key, text, final))
-
-    def text(self, stream="stdout"):
-        return "".join(t for s, t in self.out if s == stream)
 
 
 class Clock:

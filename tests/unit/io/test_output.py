@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from taas.io.output import LineSplitter, OutputRouter
+from tests.support.sinks import Recorder
 
 
 def feed_all(splitter: LineSplitter, chunks) -> tuple[list[str], list[bool]]:
@@ -68,21 +69,6 @@ def test_a_long_progress_bar_keeps_only_its_latest_state():
         s.feed(f"\rstep {i:5d} of 20000".encode())
     assert s._size < 100 and len(s._parts) == 1 and len(s._done) < 100
     assert s.flush() == ["step 19999 of 20000\n"]
-
-
-class Recorder:
-    def __init__(self):
-        self.out: list[tuple[str, str]] = []
-        self.bars: list[tuple[str, str, bool]] = []
-
-    def write(self, stream, text):
-        self.out.append((stream, text))
-
-    def progress(self, key, stream, text, final):
-        self.bars.append((key, text, final))
-
-    def text(self, stream="stdout"):
-        return "".join(t for s, t in self.out if s == stream)
 
 
 def test_router_tags_a_long_line_once():

@@ -5,7 +5,6 @@ cannot read, and the job's units still arrive."""
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import uuid
 
@@ -18,6 +17,7 @@ from taas.data.tcp.relay import Relay
 from taas.data.tcp.transport import TcpTransport
 from taas.data.transport import LOADING, attach
 from tests.support.data import job_shm
+from tests.support.data import read_to_end
 
 MiB = 1 << 20
 
@@ -45,19 +45,6 @@ def job(caplog):
 def ignored(caplog, what: str) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name.startswith("taas") and "ignored" in r.getMessage() and what in r.getMessage()]
-
-
-def read_to_end(sock: socket.socket) -> bytes:
-    sock.settimeout(60)
-    out = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
 
 
 @pytest.mark.parametrize("junk", [b"not json", b"[1, 2]", b'{"op": "where", "node": "x"}',

@@ -28,6 +28,7 @@ from taas.launch.api import ProcessSpec
 from tests.support.data import job_shm, run_hook, same, structures
 from tests.support import forks
 from tests.support.forks import exit_code, fork_job_process, no_leftover_children  # noqa: F401 (an autouse fixture)
+from tests.support.data import read_to_end
 
 TCP = "taas.data.tcp.transport:TcpTransport"
 MiB = 1 << 20
@@ -162,19 +163,6 @@ def test_connections_without_the_secret_are_closed_logged_and_get_nothing(caplog
             relay.close()
         transport.close()
     assert job_shm(job_id) == []
-
-
-def read_to_end(sock: socket.socket) -> bytes:
-    sock.settimeout(60)
-    out = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
 
 
 def test_a_slow_rank_bounds_what_is_in_flight(tmp_path):
