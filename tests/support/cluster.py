@@ -133,6 +133,11 @@ class ClusterError(RuntimeError):
     """The cluster did not start; the message carries the init's report and logs."""
 
 
+# ``argv`` exec'd with SIGINT ignored (see SimulatedCluster.kernel).
+IGNORING_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
 class SimulatedCluster:
     def __init__(self, gpu_nodes: int = 2, cpu_nodes: int = 1, gpus_per_node: int = 2,
                  cpus_per_node: int = 2, object_store_bytes: int = 300_000_000):
@@ -258,10 +263,15 @@ class SimulatedCluster:
     def kernel(self, cwd: str, env: dict | None = None, load_taas: bool = True):
         """A Jupyter kernel inside the namespace, driven from here over IPC (Unix sockets in
         jupyter's runtime dir): a ``tests.support.kernel_driver.Kernel``.  Interrupts reach it: the
-        provisioner signals nsenter's process group, which the kernel belongs to."""
+        provisioner signals nsenter's process group, which the kernel belongs to.
+
+        nsenter itself must outlive an interrupt: it neither handles nor forwards SIGINT, so the
+        group's SIGINT would end it (the kernel inside lives on, but its manager sees it exit).
+        It starts with SIGINT ignored (an exec keeps that); the kernel does not mind, as
+        ipykernel ignores SIGINT itself and installs Python's handler around each request."""
         from tests.support.kernel_driver import Kernel
         return Kernel(cwd, load_taas=load_taas, env=env, transport="ipc",
-                      command_prefix=self.command([], cwd))
+                      command_prefix=[*IGNORING_SIGINT, *self.command([], cwd)])
 
     def processes(self) -> list[psutil.Process]:
         """Every live process in the namespace (outer pids), entered ones included."""
