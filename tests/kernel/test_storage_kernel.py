@@ -11,6 +11,7 @@ import pytest
 from tests.support.kernel_driver import OFFLINE, cell, plain
 from tests.support.ranks import per_rank
 from tests.support.launchers import LOCAL, on_both_launchers
+from tests.support.notebooks import tiny_bert_notebook
 
 pytestmark = pytest.mark.kernel
 
@@ -145,23 +146,7 @@ def test_a_bad_storage_value_is_a_one_line_usage_error(kernel):
 
 
 def test_trainer_default_checkpointing_writes_every_ranks_rng_state(kernel, clean, unchanged, workdir):
-    setup = kernel.run(cell("""
-        import torch
-        from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
-        torch.manual_seed(0)
-        config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                            intermediate_size=32, max_position_embeddings=16, num_labels=2)
-        model = BertForSequenceClassification(config)
-        class Synthetic(torch.utils.data.Dataset):
-            def __len__(self):
-                return 32
-            def __getitem__(self, i):
-                g = torch.Generator().manual_seed(i)
-                return {"input_ids": torch.randint(0, 32, (8,), generator=g), "labels": i % 2}
-        ds = Synthetic()
-        args = TrainingArguments(output_dir="hf-ckpt", use_cpu=True, max_steps=4, save_steps=2,
-                                 per_device_train_batch_size=4, report_to=[])
-        """))
+    setup = kernel.run(tiny_bert_notebook("hf-ckpt", use_cpu=True, save_strategy="steps", save_steps=2))
     assert setup.error is None, setup.traceback
     run = kernel.run(cell("""
         #pragma taas --gpus 2

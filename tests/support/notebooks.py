@@ -29,9 +29,12 @@ def plain(text: str) -> str:
 def tiny_bert_notebook(output_dir: str, **training_args: object) -> str:
     """A notebook cell that builds a tiny random BERT classifier (``model``), a 32-example
     synthetic dataset (``ds``) and ``TrainingArguments`` (``args``: 4 steps of 4 examples, no
-    reports, no checkpoints, plus ``training_args``), as a user writes it before a taas cell."""
-    extra = "".join(f", {name}={value!r}" for name, value in training_args.items())
-    return textwrap.dedent(f"""\
+    reports, no checkpoints; ``training_args`` add to or replace these), as a user writes it
+    before a taas cell."""
+    settings = dict(max_steps=4, per_device_train_batch_size=4, report_to=[], save_strategy="no")
+    settings.update(training_args)
+    given = "".join(f", {name}={value!r}" for name, value in settings.items())
+    return textwrap.dedent("""\
         import torch
         from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
         torch.manual_seed(0)
@@ -43,8 +46,6 @@ def tiny_bert_notebook(output_dir: str, **training_args: object) -> str:
                 return 32
             def __getitem__(self, i):
                 g = torch.Generator().manual_seed(i)
-                return {{"input_ids": torch.randint(0, 32, (8,), generator=g), "labels": i % 2}}
+                return {"input_ids": torch.randint(0, 32, (8,), generator=g), "labels": i % 2}
         ds = Synthetic()
-        args = TrainingArguments(output_dir={output_dir!r}, max_steps=4, per_device_train_batch_size=4,
-                                 report_to=[], save_strategy="no"{extra})
-        """)
+        """) + f"args = TrainingArguments(output_dir={output_dir!r}{given})\n"
