@@ -26,7 +26,8 @@ import pytest
 
 from tests.support.cluster import SimulatedCluster, missing_requirements
 from tests.support.cluster_helpers import agents, connected_kernel, job_processes, named, placement_groups_left, relays
-from tests.support.kernel_driver import cell, cmdline, shm_entries, unmapped_shm, wait_for, wait_until_gone
+from tests.support.kernel_driver import (cell, cmdline, process_name, shm_entries, unmapped_shm, wait_for,
+                                         wait_until_gone)
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
@@ -100,10 +101,23 @@ def pss(pid: int) -> int:
         return 0
 
 
+def kind(p) -> str:
+    """What a process in the namespace is, for the memory figures."""
+    name, argv = process_name(p), " ".join(cmdline(p))
+    if name.startswith("taas-"):
+        return re.sub(r"[\d:]+.*$", "", name)  # taas-rank, taas-loader, taas-start, ... (no numbers)
+    if "NodeAgent" in argv:
+        return "agent"
+    if "ipykernel" in argv:
+        return "kernel"
+    if argv.startswith("ray::"):
+        return "ray worker"
+    return "ray daemon"
+
+
 def memory(cluster) -> dict:
-    """The namespace's memory now: every process's RSS and PSS summed, and the ranks' own."""
-    figures = {"rss": 0, "pss": 0, "rank_rss": 0, "rank_pss": 0, "ranks": 0, "processes": 0}
-    ranks = {p.pid for p in named(cluster, "taas-rank")}
+    """The namespace's memory now: RSS and PSS summed over every process, and PSS by kind."""
+    figures = {"rss": 0, "pss": 0, "processes": 0, "kinds": {}}
     for p in cluster.processes():
         try:
             rss = p.memory_info().rss
@@ -113,11 +127,17 @@ def memory(cluster) -> dict:
         figures["rss"] += rss
         figures["pss"] += share
         figures["processes"] += 1
-        if p.pid in ranks:
-            figures["rank_rss"] += rss
-            figures["rank_pss"] += share
-            figures["ranks"] += 1
+        count, total_rss, total_pss = figures["kinds"].get(kind(p), (0, 0, 0))
+        figures["kinds"][kind(p)] = (count + 1, total_rss + rss, total_pss + share)
     return figures
+
+
+def described(figures: dict) -> str:
+    mb = 1 << 20
+    kinds = ", ".join(f"{name} x{n}: RSS {r // n // mb} / PSS {s // n // mb} MB each"
+                      for name, (n, r, s) in sorted(figures["kinds"].items(), key=lambda kv: -kv[1][2]))
+    return (f"{figures['processes']} processes, RSS {figures['rss'] // mb} MB summed, "
+            f"PSS {figures['pss'] // mb} MB ({kinds})")
 
 
 def listening(cluster) -> set[tuple[int, int, str]]:
@@ -187,6 +207,7 @@ def test_32_ranks_over_four_nodes_fed_from_two_cpu_nodes(cluster, tmp_path):
     try:
         setup = k.run(cell(SETUP))
         assert setup.error is None, setup.traceback
+        idle = memory(cluster)
 
         # The cold cell: held open until the panel shows the four nodes (figures read then).
         seen: dict = {}
@@ -215,8 +236,9 @@ def test_32_ranks_over_four_nodes_fed_from_two_cpu_nodes(cluster, tmp_path):
         last = cold.panels[-1][1]["text/plain"]
         assert last.startswith(f"taas: {WORLD} ranks, ") and last.endswith(f": done {WORLD}"), last
         figures = seen["memory"]
-        assert figures["ranks"] == WORLD, figures
-        assert figures["rank_pss"] / WORLD < PER_RANK_PSS, figures
+        ranks, _, ranks_pss = figures["kinds"]["taas-rank"]
+        assert ranks == WORLD, figures
+        assert ranks_pss / WORLD < PER_RANK_PSS, described(figures)
 
         # The warm cell, right after: the agents and their start processes are up.
         warm_at = time.monotonic()
@@ -244,9 +266,7 @@ def test_32_ranks_over_four_nodes_fed_from_two_cpu_nodes(cluster, tmp_path):
     assert wait_for(lambda: not {row for row in listening(cluster) & new}, timeout=60,
                     what="the job's ports closing") is True, new
 
-    mb = 1 << 20
-    print(f"\nlargest shape: cold cell {cold_s:.1f} s, warm cell {warm_s:.1f} s; "
-          f"namespace with {WORLD} ranks up: {figures['processes']} processes, "
-          f"RSS {figures['rss'] // mb} MB summed, PSS {figures['pss'] // mb} MB; "
-          f"ranks: RSS {figures['rank_rss'] // WORLD // mb} MB, PSS {figures['rank_pss'] // WORLD // mb} MB each; "
-          f"test {time.monotonic() - started:.0f} s")
+    print(f"\nlargest shape: cold cell {cold_s:.1f} s (held until the panel was seen), warm cell "
+          f"{warm_s:.1f} s, test {time.monotonic() - started:.0f} s (cluster start not counted)\n"
+          f"namespace before the job: {described(idle)}\n"
+          f"namespace with the {WORLD} ranks up: {described(figures)}")
