@@ -26,7 +26,7 @@ import pytest
 
 from tests.support.cluster import SimulatedCluster, missing_requirements
 from tests.support.cluster_helpers import agents, connected_kernel, job_processes, named, placement_groups_left, relays
-from tests.support.kernel_driver import (cell, cmdline, process_name, shm_entries, unmapped_shm, wait_for,
+from tests.support.kernel_driver import (cell, cmdline, process_name, shm_entries, wait_for,
                                          wait_until_gone)
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -141,14 +141,15 @@ def described(figures: dict) -> str:
 
 
 def listening(cluster) -> set[tuple[int, int, str]]:
-    """(pid, port, process title) of every listening TCP socket inside the namespace (its own
-    network: only a process inside sees them)."""
+    """(pid, port, process name and command line) of every listening TCP socket inside the
+    namespace (its own network: only a process inside sees them; pids as seen inside)."""
     script = ("import json, psutil\n"
               "out = []\n"
               "for c in psutil.net_connections('tcp'):\n"
               "    if c.status == psutil.CONN_LISTEN and c.pid:\n"
               "        try:\n"
-              "            title = ' '.join(psutil.Process(c.pid).cmdline())[:80]\n"
+              "            p = psutil.Process(c.pid)\n"
+              "            title = p.name() + ' ' + ' '.join(p.cmdline())[:80]\n"
               "        except psutil.Error:\n"
               "            continue\n"
               "        out.append([c.pid, c.laddr.port, title])\n"
@@ -156,6 +157,12 @@ def listening(cluster) -> set[tuple[int, int, str]]:
     done = cluster.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return {tuple(row) for row in json.loads(done.stdout)}
+
+
+def is_taas(title: str) -> bool:
+    """Whether a process (by its name and command line) is one of taas's: a rank, loader worker,
+    relay, start process, or a node agent."""
+    return title.startswith("taas-") or "NodeAgent" in title
 
 
 def check_ranks(run, cpu_nodes: int) -> None:
@@ -220,6 +227,7 @@ def test_32_ranks_over_four_nodes_fed_from_two_cpu_nodes(cluster, tmp_path):
             if lines:
                 seen["lines"] = lines
                 seen["memory"] = memory(cluster)
+                seen["ports"] = {port for _, port, title in listening(cluster) if is_taas(title)}
                 open(go, "w").close()
 
         cold_at = time.monotonic()
@@ -260,13 +268,24 @@ def test_32_ranks_over_four_nodes_fed_from_two_cpu_nodes(cluster, tmp_path):
     assert wait_until_gone(agents(cluster), timeout=120) == []
     assert placement_groups_left(cluster) == "0"
     ours = {n for n in shm_entries() - shm_before if any(n.startswith(f"taas-{j}") for j in job_ids)}
-    assert unmapped_shm(ours) == set() and not {n for n in ours if os.path.exists(f"/dev/shm/{n}")}, ours
+    assert wait_for(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in ours), timeout=30,
+                    what="the jobs' shared memory going"), ours
+    # Ports: those taas's processes listened on during the job (the relays', the rendezvous
+    # store's) are closed, and no process but Ray's own worker pool listens anew.
+    assert seen["ports"], "no taas process was seen listening during the job"
     before = {pid for pid, _, _ in ports_before}
-    new = {row for row in listening(cluster) if row[0] not in before and not row[2].startswith("ray::IDLE")}
-    assert wait_for(lambda: not {row for row in listening(cluster) & new}, timeout=60,
-                    what="the job's ports closing") is True, new
+
+    def ports_left():
+        return {row for row in listening(cluster)
+                if row[1] in seen["ports"] or is_taas(row[2])
+                or row[0] not in before and "ray::IDLE" not in row[2]}
+    try:
+        wait_for(lambda: not ports_left(), timeout=60, what="the ports closing")
+    except TimeoutError:
+        pytest.fail(f"ports left listening: {sorted(ports_left())}")
 
     print(f"\nlargest shape: cold cell {cold_s:.1f} s (held until the panel was seen), warm cell "
-          f"{warm_s:.1f} s, test {time.monotonic() - started:.0f} s (cluster start not counted)\n"
+          f"{warm_s:.1f} s, test {time.monotonic() - started:.0f} s (cluster start not counted); "
+          f"{len(seen['ports'])} ports of taas's processes listening during the job, none after\n"
           f"namespace before the job: {described(idle)}\n"
           f"namespace with the {WORLD} ranks up: {described(figures)}")
