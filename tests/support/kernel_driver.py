@@ -99,7 +99,11 @@ class Kernel:
             return msg
         raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
 
-    def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None, batch: bool = False) -> CellRun:
+    def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None, batch: bool = False,
+            on_panel=None) -> CellRun:
+        """Run ``code`` and collect what it shows.  ``on_output(out)`` is called after each
+        stream message, ``on_panel(out)`` after each message of the rank panel (``out.panels``
+        so far): a test reacts to what the cell shows while it runs."""
         msg_id = self.execute(code, batch)
         out = CellRun()
         for msg in _answers(self.kc.get_iopub_msg, msg_id, timeout):
@@ -119,6 +123,8 @@ class Kernel:
             elif kind in ("display_data", "update_display_data"):
                 panel = (content.get("metadata") or {}).get("taas", {}).get("panel")
                 (out.panels if panel else out.displays).append((kind, content["data"]))
+                if panel and on_panel:
+                    on_panel(out)
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         else:  # no idle status in time
