@@ -23,7 +23,7 @@ from collections.abc import Callable
 from taas.job import results
 from taas.job.package import Payload, unship
 from taas.launch.process import cells, events, report, stacks
-from taas.rank import comm
+from taas.rank import comm, heartbeat, metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
     except BaseException as exc:  # the user's error, or the kernel's interrupt (SIGINT)
         report.write_error(job_dir, key, exc, 1)
         failed = True
+    heartbeat.stop()  # an idle kept rank sends nothing until its next cell
     sys.stdout.flush()
     sys.stderr.flush()
     events.send("done", failed=failed)
@@ -74,8 +75,12 @@ def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict
             with open(os.path.join(job_dir, message.payload), "rb") as f:
                 payload: Payload = pickle.load(f)
             stacks.set_cell(payload.filename)
+            heartbeat.start(payload.filename, payload.device)  # the panel, as in a one-cell job
+            metrics.new_cell()
             namespace = _merge(namespace, unship(payload.names, resolve=resolve))
+            heartbeat.running()
         except KeyboardInterrupt as exc:
+            heartbeat.stop()
             report.write_error(job_dir, key, exc, 1)
             events.send("done", failed=True)
             continue

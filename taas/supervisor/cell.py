@@ -142,6 +142,7 @@ class CellWatch(Watch):
             while not self._back():
                 self.deliver(self.handle.events(POLL))
                 self.router.tick()
+                self.board.tick()
                 if self.ends:
                     raise self._give_up(None)
                 if self.failed and time.monotonic() - min(self.failed.values()) > RETURN_WAIT:
@@ -154,6 +155,8 @@ class CellWatch(Watch):
         except JobFailed:
             self.lost = True  # --timeout stopped them all
             raise
+        finally:
+            self.board.close()  # the panel gives way to its summary line, however the cell ends
         self.router.close()
         if not self.failed:
             return None

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.kernel_driver import (Kernel, cell, is_alive, one_line_usage_error, plain,
                                          process_name, wait_for, wait_until_gone)
+from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
 
@@ -81,7 +82,7 @@ def test_a_failed_cell_and_an_interrupt_keep_the_state(kernel, clean):
     seen = {}
 
     def on_output(out):
-        if "[rank1] spinning" in out.stdout and "at" not in seen:
+        if "[rank1] spinning" in per_rank(out.stdout) and "at" not in seen:
             seen["at"] = time.monotonic()
             kernel.km.interrupt_kernel()
 
@@ -213,7 +214,7 @@ def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel,
     seen = {}
 
     def on_output(out):
-        if "[rank1] waiting" in out.stdout and "at" not in seen:
+        if "[rank1] waiting" in per_rank(out.stdout) and "at" not in seen:
             seen["at"] = time.monotonic()
             kernel.km.interrupt_kernel()
 
