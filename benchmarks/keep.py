@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import BIG_SAMPLE, NBD_VERSION, THINK_TIME, TRIVIAL, NbdKernel, _timed  # noqa: E402
+from benchmarks.launch import BIG_SAMPLE, NBD_VERSION, THINK_TIME, TRIVIAL, NbdKernel, _timed
 
 NBD_REFERENCE = 0.12  # s: nbdistributed's trivial cell as issue 16 measured it on these machines
 
