@@ -235,3 +235,33 @@ def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel,
     lost = [line for line in run.stderr.splitlines() if "state is lost" in line]
     assert len(lost) == 1, run.stderr
     assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
+
+
+def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
+    """Kept cells back to back (each reads an unchanged notebook tensor and binds a result):
+    after the first few (imports done, caches warm) nothing grows per cell, in the kernel or in
+    a rank (benchmarks/keep.py runs 200 and prints the figures)."""
+    import psutil
+
+    _ok(kernel.run("import torch\nt = torch.ones(1024)"))
+    _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nn = 0"))
+
+    def figures():
+        procs = [psutil.Process(kernel.pid)] + [psutil.Process(p) for p in _rank_pids(kernel)]
+        return [(p.num_fds(), p.num_threads(), p.memory_info().rss) for p in procs]
+
+    def kept_cell(i):
+        _ok(kernel.run(f"%%taas\nx = torch.ones(1)\ndist.all_reduce(x)\nn += 1\ns = float(t.sum()) + {i}"))
+        assert _ok(kernel.run("s")).result == f"{1024 + i:.1f}"
+
+    for i in range(5):
+        kept_cell(i)
+    before = figures()
+    for i in range(5, 35):
+        kept_cell(i)
+    after = figures()
+    assert len(after) == len(before) == 3
+    for (fds0, threads0, rss0), (fds1, threads1, rss1) in zip(before, after):
+        assert (fds1, threads1) == (fds0, threads0), (before, after)
+        assert rss1 - rss0 < 32 << 20, (before, after)  # 30 cells: no per-cell growth
+    _ok(kernel.run("%taas release"))
