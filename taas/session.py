@@ -254,7 +254,8 @@ class Session:
                         files=launcher is self.launcher)
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         # Rank 0's big results come back as memory files on a channel, on this machine only.
-        returning = big.open_results_channel() if options.results and big.files else {}
+        # Kept ranks already have theirs (their first cell's, taas.supervisor.kept.Kept.channel).
+        returning = big.open_results_channel() if options.results and big.files and kept is None else {}
         if launcher is not self.launcher:
             self.resident.settle()  # a cluster launcher reads the files' bytes to send them
         if self._device_changed(options, note) and note:
@@ -349,11 +350,14 @@ class Session:
                 write_note(sink, alone, WARN)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
-            back = results.load(results.decode(outcome.result))
+            channel = big.channel or (run.kept.channel if run.kept is not None else None)
+            back = results.load(results.decode(outcome.result), channel)
             shipped.update(back.values)  # the ranks hold what came back: not sent again
             return back
         finally:
             plot.close()
+            if run.kept is not None and run.kept.channel is None:  # they just started: theirs
+                run.kept.channel, big.channel = big.channel, None
             self.keeper.after_cell(run.kept, shipped)
             big.close_fds()
             big.unlink(wait=False)

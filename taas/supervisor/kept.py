@@ -41,6 +41,9 @@ class Kept:
         # notebook name -> fingerprint of the value the ranks hold under it (shipped or
         # brought back): what the next cell need not send again (taas.supervisor.fingerprint).
         self.held: dict[str, object] = {}
+        # The first cell's results channel (taas.job.memory.returns), kept for the ranks' life:
+        # their rank 0 holds its other end, so every kept cell's big results come back on it.
+        self.channel = None
 
     def remember(self, name: str, value) -> None:
         """The ranks now hold ``value`` under ``name`` (it was shipped, or brought back)."""
@@ -87,6 +90,9 @@ class Kept:
             self.layers.merge(handle.layers(), self.job_id, sink or TerminalSink())
         finally:
             handle.close()
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
 
 
 SMALL = 1 << 16  # bytes: plain values up to this size are fingerprinted by their pickle

@@ -265,3 +265,14 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
         assert (fds1, threads1) == (fds0, threads0), (before, after)
         assert rss1 - rss0 < 32 << 20, (before, after)  # 30 cells: no per-cell growth
     _ok(kernel.run("%taas release"))
+
+
+def test_big_results_of_kept_cells_come_back_as_memory_files_every_cell(kernel, clean):
+    """The first kept cell's results channel lives as long as the kept ranks: a big tensor
+    rank 0 binds comes back as a shared-memory storage (not inside the pickle) in every cell."""
+    _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch\nback = torch.zeros(4 << 20)"))  # 16 MiB
+    for i in range(1, 4):
+        _ok(kernel.run(f"%%taas\nback = torch.full((4 << 20,), {i}.0)"))
+        run = _ok(kernel.run("print(back.untyped_storage().is_shared(), float(back[:4].sum()))"))
+        assert run.stdout.strip() == f"True {4 * i:.1f}", run.stdout
+    _ok(kernel.run("%taas release"))
