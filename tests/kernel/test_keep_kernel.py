@@ -254,17 +254,20 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
         _ok(kernel.run(f"%%taas\nx = torch.ones(1)\ndist.all_reduce(x)\nn += 1\ns = float(t.sum()) + {i}"))
         assert _ok(kernel.run("s")).result == f"{1024 + i:.1f}"
 
-    for i in range(5):
-        kept_cell(i)
-    before = figures()
-    for i in range(5, 35):
-        kept_cell(i)
-    after = figures()
+    try:
+        for i in range(5):
+            kept_cell(i)
+        before = figures()
+        for i in range(5, 35):
+            kept_cell(i)
+        after = figures()
+    finally:
+        _ok(kernel.run("%taas release"))
     assert len(after) == len(before) == 3
+    # Nothing grows (the kernel, shared with earlier tests, may still close one of theirs).
     for (fds0, threads0, rss0), (fds1, threads1, rss1) in zip(before, after):
-        assert (fds1, threads1) == (fds0, threads0), (before, after)
+        assert fds1 <= fds0 and threads1 <= threads0, (before, after)
         assert rss1 - rss0 < 32 << 20, (before, after)  # 30 cells: no per-cell growth
-    _ok(kernel.run("%taas release"))
 
 
 def test_big_results_of_kept_cells_come_back_as_memory_files_every_cell(kernel, clean):
