@@ -279,3 +279,25 @@ def test_big_results_of_kept_cells_come_back_as_memory_files_every_cell(kernel, 
         run = _ok(kernel.run("print(back.untyped_storage().is_shared(), float(back[:4].sum()))"))
         assert run.stdout.strip() == f"True {4 * i:.1f}", run.stdout
     _ok(kernel.run("%taas release"))
+
+
+def test_kept_cells_feed_taas_metrics_and_the_plot_as_one_cell_jobs_do(kernel, clean):
+    """Each kept cell is a job of its own for taas.log: its rows under its own id, drawn in the
+    cell, steps counted from 0 again (taas.log without step=)."""
+    import ast
+
+    def last_rows():
+        run = _ok(kernel.run("import taas\nm = taas.metrics()\n"
+                             "print(repr(m.to_dict('records') if hasattr(m, 'to_dict') else m))"))
+        return ast.literal_eval(run.stdout.strip())
+
+    try:
+        for i in range(2):
+            flag = " --gpus 2 --keep" if i == 0 else ""
+            run = _ok(kernel.run(f"%%taas{flag}\nimport taas\nfor k in range(3):\n    taas.log(loss={i}.0 + k)"))
+            assert any("image/png" in data for _, data in run.displays), run.displays
+            got = last_rows()
+            assert sorted((r["rank"], r["step"], r["loss"]) for r in got) == sorted(
+                (rank, k, i + k) for rank in (0, 1) for k in range(3)), got
+    finally:
+        _ok(kernel.run("%taas release"))
