@@ -21,7 +21,9 @@ notebook's RSS growth once it touched the value (run_results).
 
 Last, a trivial 4-rank cell (an all_reduce and a print per rank) through real Jupyter kernels,
 side by side: ``%%taas --gpus 4`` (fresh ranks every cell) against nbdistributed's cell on its
-persistent workers, timed from execute_request to the reply; see run_kernels.
+persistent workers, timed from execute_request to the reply; see run_kernels.  And the same
+cell on kept ranks (``--keep``), a kept cell reading an unchanged notebook tensor, and many kept
+cells' resources: benchmarks/keep.py.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def main() -> None:
     parser.add_argument("--kernel-repeat", type=int, default=10,
                         help="rounds of the trivial cell through real kernels, taas vs nbdistributed (0: skip)")
     parser.add_argument("--only-kernel", action="store_true", help="run only the real-kernel case")
+    parser.add_argument("--keep-cells", type=int, default=200,
+                        help="kept cells in the --keep case's resources run (benchmarks/keep.py; -1: skip the case)")
     args = parser.parse_args()
     if args.only_kernel:
         run_kernels(args.ranks, args.kernel_repeat)
@@ -99,6 +103,10 @@ def main() -> None:
         run_results(source, args.ranks, args.device, args.repeat, args.result_mib)
     if args.kernel_repeat:
         run_kernels(args.ranks, args.kernel_repeat)
+    if args.keep_cells >= 0:  # kept ranks (--keep), side by side in the same run
+        from benchmarks.keep import run_all
+
+        run_all(args.ranks, args.kernel_repeat or args.repeat, args.big_mib, args.keep_cells)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ class JobOptions:
     stall: float = 60.0  # seconds without output before the ranks' places are shown; 0 = never
     max_restarts: int = 0  # times a failed job starts again (torchrun's --max-restarts)
     cluster: str | None = None  # Ray cluster address for this cell; "local" = this machine
+    keep: float | None = None  # keep the ranks after the cell, idle at most this long (s); inf = no limit
+    fresh: bool = False  # end kept ranks first and start fresh ones
 
 
 _SEE_HELP = "see %%taas? for the options"
@@ -106,6 +108,23 @@ def _max_restarts(text):
     if not 0 <= value <= MAX_RESTARTS:
         raise argparse.ArgumentTypeError(
             f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, got {text!r}")
+    return value
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+KEEP_DEFAULT = math.inf  # --keep without a limit: kept until released, the kernel ends, or unload
+
+
+def _keep(text):
+    """``--keep`` idle limit: ``90s``, ``30m``, ``2h`` or plain seconds."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"--keep takes an idle limit such as 90s, 30m or 2h, got {text!r}")
     return value
 
 
@@ -195,6 +214,13 @@ _PARSER.add_argument("--cluster", metavar="ADDRESS", type=_cluster,
                      help="run this cell on the Ray cluster at ADDRESS (what ray.init(address=...) "
                      "takes; 'local' = this machine). Default: the session's (%%taas cluster "
                      "ADDRESS), else $RAY_ADDRESS, else this machine. taas never starts a cluster")
+_PARSER.add_argument("--keep", metavar="LIMIT", nargs="?", const=KEEP_DEFAULT, type=_keep,
+                     help="keep the ranks after the cell, with their namespaces and process group: "
+                     "the next cells of the same world run on them. LIMIT (90s, 30m, 2h) ends them "
+                     "after that long idle (default: kept until %%taas release, %%unload_ext or "
+                     "the kernel ends)")
+_PARSER.add_argument("--fresh", action="store_true",
+                     help="end kept ranks first and run this cell on fresh ones")
 _PARSER.add_argument("--config", metavar="NAME", type=_config,
                      help="DataSphere configuration name, as in a '#!NAME' line (shown by "
                      "the %%taas line magic, otherwise ignored)")
@@ -226,6 +252,9 @@ def parse_options(argline: str) -> JobOptions:
     if ns.backend == "nccl" and ns.device == "cpu":
         raise DirectiveError("--backend nccl needs CUDA but --device cpu was given; "
                              "use --backend gloo for CPU ranks")
+    if ns.keep is not None and ns.max_restarts:
+        raise DirectiveError("--keep cannot be combined with --max-restarts: a restart cannot "
+                             "bring the kept state back")
     return JobOptions(**vars(ns))
 
 
@@ -240,6 +269,10 @@ def format_options(opts: JobOptions) -> str:
             out.append("--no-results")
         elif f.name == "show":
             out.append("--show " + ",".join(map(str, value)))
+        elif f.name == "fresh":
+            out.append("--fresh")
+        elif f.name == "keep":
+            out.append("--keep" if value == KEEP_DEFAULT else f"--keep {value:g}s")
         elif f.name in ("timeout", "stall"):
             out.append(f"--{f.name} {int(value) if float(value).is_integer() else repr(value)}")
         else:

@@ -156,8 +156,9 @@ class TaasMagics(Magics):
         return f"{label[0]} {label[1]}" if label else None
 
     def _status(self, line: str) -> None:
-        """``%taas``: where jobs run and what the last one did; ``%taas cluster ADDRESS|local
-        [--workdir auto|shared|copy] [--workdir-limit SIZE]`` sets where the session's cells run."""
+        """``%taas``: where jobs run, the kept ranks and what the last job did; ``%taas cluster
+        ADDRESS|local [--workdir auto|shared|copy] [--workdir-limit SIZE]`` sets where the
+        session's cells run; ``%taas release`` ends the kept ranks."""
         from taas import status
 
         words = line.split()
@@ -166,8 +167,13 @@ class TaasMagics(Magics):
                 address, settings = _cluster_words(words[1:])
                 print("\n".join(self.session.use_cluster(address, **settings)))
                 return
+            if words == ["release"]:  # end the kept ranks (--keep)
+                print(self.session.release(NotebookSink() if getattr(self.shell, "kernel", None)
+                                           is not None else None) or "taas: no kept ranks")
+                return
             if words:
-                raise UsageError(f"%taas takes no arguments but 'cluster ADDRESS|local', got {line.strip()!r}")
+                raise UsageError("%taas takes no arguments but 'cluster ADDRESS|local' or 'release', "
+                                 f"got {line.strip()!r}")
             print(status.render(self.session))
         except LaunchError as exc:
             raise UsageError(str(exc)) from None

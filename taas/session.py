@@ -21,6 +21,7 @@ and scripts call it directly with a plain dict as the namespace.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from taas import directive
-from taas.errors import LaunchError
+from taas.errors import DirectiveError, LaunchError
 from taas.io import failure, keys
 from taas.io.output import INFO, WARN, Sink, TerminalSink
 from taas.io.output import note as write_note
@@ -43,6 +44,8 @@ from taas.job.memory.resident import ResidentMemory
 from taas.job.results import CellResult
 from taas.launch.api import cuda_device_count
 from taas.rank import comm
+from taas.supervisor.cell import KeptCell
+from taas.supervisor.kept import Kept, Keeper
 from taas.supervisor.supervisor import Supervisor
 from taas.wiring import launcher_from_env, process_env, rebound_loaders, transport_for
 from taas.workdir.cwd import working_directory
@@ -95,6 +98,10 @@ class Session:
         # channel to the start process is not shared.
         self._running = threading.Lock()
         self._running_since: str | None = None
+        # --keep: the ranks kept between cells (taas.supervisor.kept), and why the last kept
+        # ranks ended while no cell ran (the idle limit): the next cell says so.
+        self.keeper = Keeper(self._running)
+        self._shipped: dict = {}  # what the cell being prepared sends to kept ranks
         # The device decision taas made for the last job with --device auto, as the fallback
         # note states it (directive.note_fact; None: CUDA): the note shows when this changes.
         self._device_fact: str | None = None
@@ -103,6 +110,7 @@ class Session:
         self.launcher.warm()
 
     def close(self) -> None:
+        self.release()
         if self._cluster_launcher is not None:
             self._cluster_launcher.shutdown()
             self._cluster_launcher = None
@@ -167,7 +175,9 @@ class Session:
     def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, **kwargs) -> CellResult:
         """Run ``source`` as a job (see :meth:`_run_cell`); a second job while one runs in this
         kernel is refused at once."""
-        if not self._running.acquire(blocking=False):
+        # The idle limit's timer may be ending kept ranks right now: that is no job, wait for it.
+        wait = 15 if self.keeper.releasing else 0
+        if not (self._running.acquire(timeout=wait) if wait else self._running.acquire(blocking=False)):
             raise LaunchError(
                 f"a taas job is already running in this kernel (started at {self._running_since}); "
                 "wait for it to finish or interrupt it, then run this cell again")
@@ -189,16 +199,26 @@ class Session:
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
         launcher = self.launcher_for(address)
+        kept = self._kept_for(launcher, options, sink)
+        keep = kept is not None or options.keep is not None
+        if keep and not launcher.keeps_ranks:
+            raise DirectiveError(
+                "--keep is not supported on a cluster yet" if launcher is not self.launcher
+                else "--keep is not supported by this launcher")
+        if kept is not None and options.gpus is None:  # no --gpus: the kept world
+            options = dataclasses.replace(options, gpus=kept.world.size)
         job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
-                                    options, sink, hidden, name_for)
+                                    options, sink, hidden, name_for, kept=kept, keep=keep)
         self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
                              loaders=sorted(i.name for i in plane.loaders) if plane else [],
                              config=options.config, cluster=address)
+        if keep:
+            return self._run_kept(launcher, job, big, options, sink, name_for)
         return self._run(launcher, job, plane, big, self.last, sink, name_for)
 
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
              options: directive.JobOptions, sink: Sink, hidden: frozenset,
-             name_for) -> tuple[Job, DataPlane | None, BigValues]:
+             name_for, kept: Kept | None = None, keep: bool = False) -> tuple[Job, DataPlane | None, BigValues]:
         """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
         arrays went out through (the caller closes them).  Everything that can fail before
         launch fails here: a syntax error, a value that cannot be shipped, more processes than
@@ -214,8 +234,14 @@ class Session:
             raise failure.syntax_error(exc, name_for) from None
         cell = analysis.analyse(source)
         values = package.select(cell.free, namespace, hidden)
+        if kept is not None:  # kept ranks: only what they lack or the notebook changed
+            values = {k: v for k, v in values.items() if not kept.holds(k, v)}
         rebound = rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)
+        if plane is not None and keep:
+            raise DirectiveError(
+                "registered loaders on kept ranks (--keep) are not supported yet; run this cell "
+                "with --fresh and without --keep")
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]
@@ -223,10 +249,13 @@ class Session:
         # Large arrays travel once, through shared memory; on a cluster only by descriptor
         # (the launcher sends those bytes to each node), as named files stay on this machine.
         self.resident.prune()
-        big = BigValues(job_id, resident=self.resident, files=launcher is self.launcher)
+        # Kept ranks started before this cell cannot receive descriptors: big values go as files.
+        big = BigValues(job_id, resident=None if kept is not None else self.resident,
+                        files=launcher is self.launcher)
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         # Rank 0's big results come back as memory files on a channel, on this machine only.
-        returning = big.open_results_channel() if options.results and big.files else {}
+        # Kept ranks already have theirs (their first cell's, taas.supervisor.kept.Kept.channel).
+        returning = big.open_results_channel() if options.results and big.files and kept is None else {}
         if launcher is not self.launcher:
             self.resident.settle()  # a cluster launcher reads the files' bytes to send them
         if self._device_changed(options, note) and note:
@@ -235,6 +264,9 @@ class Session:
             write_note(sink, line, WARN)
         log.debug("job %s: %d ranks on %s (%s), %d names shipped (%d bytes), %d loader workers",
                   job_id, world, device, backend, len(values), len(blob), workers)
+        if keep:
+            log.debug("kept ranks: shipped %s", ", ".join(sorted(values)) or "nothing")
+            self._shipped = values
         return Job(
             job_id=job_id, cwd=cwd,
             payload=package.Payload(
@@ -248,7 +280,8 @@ class Session:
                           show=None if options.show is None else frozenset(keys.rank_key(r) for r in options.show),
                           results=options.results),
             data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
-            env=process_env(world) | returning, shared_fds=tuple(big.fds),  # resident big tensors, results channel
+            env=dict(process_env(world) | returning, **({"TAAS_KEEP": "1"} if keep else {})),
+            shared_fds=tuple(big.fds),  # resident big tensors, results channel
             cleanups=tuple(big.cleanups()),
         ), plane, big
 
@@ -285,6 +318,60 @@ class Session:
             stats.comm_ops = supervisor.outcome.comm_ops
             stats.restarts = supervisor.machine.restarts
 
+    # -- kept ranks (--keep) ---------------------------------------------------------------
+    def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink) -> Kept | None:
+        """The kept ranks this cell runs on, or None (see :meth:`Keeper.reuse`)."""
+        def world(kept: Kept) -> tuple:  # what this cell asks for; no --gpus: the kept size
+            wanted = options if options.gpus is not None else dataclasses.replace(options, gpus=kept.world.size)
+            return directive.resolve_world(wanted, launcher.cuda_devices(), launcher.where)[:3]
+
+        return self.keeper.reuse(launcher, world, options.fresh, options.keep, sink)
+
+    def _run_kept(self, launcher, job: Job, big: BigValues, options: directive.JobOptions,
+                  sink: Sink, name_for) -> CellResult:
+        """``job`` on kept ranks (started now when none are kept); they stay afterwards
+        unless they could not all come back (taas.supervisor.kept)."""
+        stats = self.last
+        assert stats is not None
+        limit = options.keep if options.keep is not None else directive.KEEP_DEFAULT
+        history = job_metrics.HISTORY  # rank 0's taas.log scalars, drawn live as in _run
+        plot = LivePlot(sink, lambda: history.series(job.job_id, rank=0))
+        run = KeptCell(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
+                       on_state=lambda state: setattr(stats, "outcome", state.value),
+                       on_metrics=lambda key, rows: plot.changed(
+                           history.add(job.job_id, keys.rank_of(key), rows)))
+        shipped, self._shipped = self._shipped, {}
+        started = time.monotonic()
+        try:
+            outcome = run.run()
+            stats.outcome = "ok"
+            alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
+            if alone:
+                write_note(sink, alone, WARN)
+            if not job.policy.results or outcome.result is None:
+                return CellResult()
+            channel = big.channel or (run.kept.channel if run.kept is not None else None)
+            back = results.load(results.decode(outcome.result), channel)
+            shipped.update(back.values)  # the ranks hold what came back: not sent again
+            return back
+        finally:
+            plot.close()
+            if run.kept is not None and run.kept.channel is None:  # they just started: theirs
+                run.kept.channel, big.channel = big.channel, None
+            self.keeper.after_cell(run.kept, shipped)
+            big.close_fds()
+            big.unlink(wait=False)
+            stats.wall_s = time.monotonic() - started
+            stats.exit_codes = run.outcome.exit_codes
+            stats.comm_ops = run.outcome.comm_ops
+
+    @property
+    def kept(self) -> Kept | None:
+        return self.keeper.kept
+
+    def release(self, sink: Sink | None = None) -> str | None:
+        """``%taas release``: end the kept ranks; a line saying what ended, or None."""
+        return self.keeper.release(sink)
     def _device_changed(self, options: directive.JobOptions, note: str | None) -> bool:
         """Whether the device decision of a job with ``options`` (its fallback ``note``, None on
         CUDA) differs from the last one taas made: the CPU-fallback note shows once per kernel,

@@ -13,6 +13,9 @@ def render(session) -> str:
         lines.append("registered loaders: " + (", ".join(names) if names else "none"))
     except ImportError:
         pass
+    kept = getattr(session, "kept", None)
+    if kept is not None and kept.handle is not None:
+        lines.append(kept.describe())
     last = session.last
     if last is None:
         lines.append("last job: none yet")

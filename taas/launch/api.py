@@ -42,6 +42,14 @@ Life of a process, as the handle reports it::
 
 The local launcher (:mod:`taas.launch.local.launcher`) forks processes from a warm start process; a
 multi-node launcher implements the same contract.
+
+**Kept ranks** (``--keep``; optional, :attr:`Launcher.keeps_ranks`).  A kept job's ranks do
+not exit after their cell: they say ``done`` (``failed`` when the cell raised) on the events
+pipe and wait for the next cell (:mod:`taas.launch.process.cells`).  The caller keeps the
+handle open between cells and, per cell, calls :meth:`JobHandle.next_cell` (the cell's payload
+and result file names, fresh per cell) and, on Ctrl-C, :meth:`JobHandle.interrupt` (SIGINT to
+the ranks' main threads: KeyboardInterrupt in the cell's code).  The ranks end with
+:meth:`JobHandle.stop`, as any job's; a launcher without kept ranks refuses ``--keep``.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from typing import Iterable, Union
+
+from taas.errors import LaunchError
 
 # What a process may leave in its directory for the kernel (JobHandle.fetch names).
 RESULT = "result.pkl"  # rank 0's results
@@ -221,6 +231,29 @@ class JobHandle(abc.ABC):
     def close(self) -> None:
         """Release the attempt's resources (pipes, store, files).  Calls ``stop()`` first."""
 
+    # -- kept ranks (optional: Launcher.keeps_ranks) -------------------------------------------
+    def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
+        """Kept ranks: put ``files`` in every process's directory (removing the previous
+        cell's failure reports) and tell every rank to run the payload file ``payload``, rank 0
+        writing its results to ``result`` (fetched with :meth:`fetch`).  Raises LaunchError
+        (one line) when a process of the job has ended since the last cell: the kept state is
+        lost.  Output the ranks wrote between cells comes with the next :meth:`events`."""
+        raise LaunchError("this launcher cannot keep ranks between cells")
+
+    def lost(self) -> str | None:
+        """Kept ranks: why this job can no longer run a cell (in words: which process ended,
+        how), or None while every process is there.  Cheap; called before each kept cell."""
+        return None
+
+    def interrupt(self, keys: Iterable[str]) -> list[str]:
+        """Kept ranks: raise KeyboardInterrupt in the main thread of each running process in
+        ``keys`` (SIGINT); returns the keys that were signalled."""
+        return []
+
+    def running_pids(self) -> dict[str, int]:
+        """Kept ranks: each running process's pid on its machine, for ``%taas`` (memory)."""
+        return {}
+
 
 class Launcher(abc.ABC):
     """Starts jobs.  A launcher may keep warm state (a start process) across jobs."""
@@ -231,6 +264,9 @@ class Launcher(abc.ABC):
 
     #: Where this launcher runs jobs, in the words of a message ("this machine", "the cluster").
     where: str = "this machine"
+
+    #: Its handles implement the kept-ranks part (:meth:`JobHandle.next_cell`, ``interrupt``).
+    keeps_ranks: bool = False
 
     def check(self, processes: int, device: str = "cpu", ranks: int | None = None) -> None:
         """Raise LaunchError (one line) if a job of ``processes`` processes (``ranks`` of them

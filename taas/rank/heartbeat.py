@@ -34,15 +34,22 @@ INTERVAL = 1.0  # seconds between beats
 _C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
 _VIEW = os.path.join("taas", "data", "view.py")
 _running = threading.Event()  # the cell has started
+# The beating thread's stop; each start has its own, so that a kept rank's next cell (a new
+# start right after a stop) never revives the thread of the cell before.
 _stop = threading.Event()
+_sending = threading.Lock()  # a beat is sent whole before stop() returns, never after
 
 
 def start(filename: str, device: str) -> None:
-    """Beat from now on (call it from the rank's main thread); ``filename`` is the cell's."""
-    _stop.clear()
+    """Beat from now on (call it from the rank's main thread); ``filename`` is the cell's.
+    A kept rank calls it again for each cell, after :func:`stop` at the end of the last one:
+    between cells it sends nothing (nobody reads its events then)."""
+    global _stop
+    _stop.set()  # a thread still beating for an earlier cell ends
+    _stop = threading.Event()
     _running.clear()
     main = threading.get_ident()
-    threading.Thread(target=_beat, args=(main, filename, device), name="taas-heartbeat",
+    threading.Thread(target=_beat, args=(main, filename, device, _stop), name="taas-heartbeat",
                      daemon=True).start()
 
 
@@ -52,24 +59,28 @@ def running() -> None:
 
 
 def stop() -> None:
-    """No beats after this (the rank is done: the kernel's panel says so from its own events)."""
-    _stop.set()
+    """No beats after this returns (the rank is done: the kernel's panel says so from its own
+    events; a kept rank's cell is over, and a beat then would wait in the pipe for the next)."""
+    with _sending:
+        _stop.set()
 
 
-def _beat(main: int, filename: str, device: str) -> None:
+def _beat(main: int, filename: str, device: str, stop: threading.Event) -> None:
     # The first beat comes a second in: the panel shows from two seconds into a job, and a
     # cell that ends sooner never pays for psutil's import and a first sample.
-    if _stop.wait(INTERVAL):
+    if stop.wait(INTERVAL):
         return
     sampler = Sampler(main, filename, device)
-    while not _stop.is_set():
+    while not stop.is_set():
         try:
             fields = sampler.sample()
         except Exception:  # psutil or torch failed once: no beat this second, try again
             fields = None
-        if fields is not None and not _stop.is_set():
-            events.send("beat", **fields)
-        _stop.wait(INTERVAL)
+        if fields is not None:
+            with _sending:
+                if not stop.is_set():
+                    events.send("beat", **fields)
+        stop.wait(INTERVAL)
 
 
 class Sampler:

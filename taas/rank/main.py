@@ -35,8 +35,8 @@ from taas.job import crossing, devices, results
 from taas.job.analysis import compile_cell
 from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
-from taas.launch.process import events, report, stacks
-from taas.rank import comm, display, heartbeat, metrics, nccl, patches
+from taas.launch.process import cells, events, report, stacks
+from taas.rank import comm, display, heartbeat, keep, metrics, nccl, patches
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ def main(spec) -> int:
                   payload.filename, payload.device, payload.backend, os.environ.get("TAAS_STORAGE", "shared"),
                   ", ".join(payload.loaders) or "none")
         stacks.start(job_dir, key, payload.filename)  # where this rank is, when the kernel asks
+        # A kept rank's channel exists before it is up: the kernel may send the next cell as
+        # soon as every rank said done (taas.rank.keep).
+        inbox = cells.Inbox(job_dir, key) if keep.kept() else None
         events.send("up")  # the supervisor's --stall clock starts once every rank is up
         heartbeat.start(payload.filename, payload.device)  # the kernel's live rank panel
         if rank == 1 and os.environ.get("TAAS_STORAGE_WARNING"):  # ranks > 0 have it; say it once
@@ -71,6 +74,11 @@ def main(spec) -> int:
         namespace.setdefault("get_ipython", crossing.get_ipython)
         _install_data_views(payload, namespace)
         heartbeat.running()
+        if inbox is not None:  # --keep: this cell, then the next ones, until released
+            keep.run(job_dir, key, rank, payload, namespace, _run_cell, None)
+            code = keep.serve(job_dir, key, rank, inbox, namespace, _run_cell, _loader_view)
+            _teardown()
+            return code
         out = _run_cell(payload, namespace)
         comm.report()
         log.debug("cell done on rank %d", rank)

@@ -129,6 +129,14 @@ def flush() -> None:
         print(f"taas: metrics could not be sent ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
+def new_cell() -> None:
+    """A kept rank's next cell: its ``taas.log`` steps count from 0 again and its notes show
+    again, as in a job of its own."""
+    if _buffer is not None:
+        _buffer.last_step = -1
+        _buffer.notes.seen.clear()
+
+
 def _forked() -> None:
     """A process this rank forked (a DataLoader worker) has no sender thread and shares the
     events pipe: its ``taas.log`` calls record nothing, rather than hang or interleave."""

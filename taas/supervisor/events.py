@@ -11,6 +11,7 @@ ignored: it never fails the job, and the job's output and results still arrive.
     stack     where a rank is, asked for (taas.launch.process.stacks)           -> :class:`Stack`
     up        a rank started the cell's preamble (--stall counts from all up)   -> :class:`Up`
     done      a rank ran the cell to its end and sent all it had                -> :class:`Done`
+              (a kept rank: also after the cell raised, with failed=true: it stays for the next)
     metrics   rows a rank's ``taas.log`` recorded (taas.rank.metrics)            -> :class:`Metrics`
     comm      how many operations a rank made on its process groups, how much it trained -> :class:`Comm`
     data.*    the data plane's figures (progress, prefetch, stats)              -> :class:`DataFigure`
@@ -51,7 +52,7 @@ class Up:
 
 @dataclass(frozen=True)
 class Done:
-    pass
+    failed: bool = False  # a kept rank whose cell raised: its report is written, it waits on
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ _READERS: dict[str, Callable[[dict], Message]] = {
     "display": _display,
     "stack": _stack,
     "up": lambda m: Up(),
-    "done": lambda m: Done(),
+    "done": lambda m: Done(failed=m.get("failed") is True),
     "comm": _comm,
     "metrics": _metrics,
     "beat": _beat,

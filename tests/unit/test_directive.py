@@ -204,7 +204,7 @@ FLAG_OF_FIELD = {
     "gpus": "--gpus", "cpus": "--cpus", "units": "--units", "backend": "--backend",
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
     "config": "--config", "storage": "--storage", "stall": "--stall", "max_restarts": "--max-restarts",
-    "cluster": "--cluster", "results_device": "--results-device",
+    "cluster": "--cluster", "results_device": "--results-device", "keep": "--keep", "fresh": "--fresh",
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import selectors
+import signal
 import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
@@ -18,6 +19,7 @@ from multiprocessing.connection import Connection
 from taas.errors import LaunchError
 from taas.launch.api import Event, JobHandle, OutputChunk, ProcessExit
 from taas.launch.local import jobdir, protocol
+from taas.launch.process import cells
 from taas.launch.local.protocol import (
     Exited,
     Message,
@@ -29,6 +31,10 @@ from taas.launch.local.protocol import (
 from taas.shield import deferred_interrupt
 
 log = logging.getLogger(__name__)
+
+
+def _how(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 _SPAWN_TIMEOUT = 30.0  # seconds of silence from the start process before a start is given up
 
@@ -167,6 +173,51 @@ class LocalJob(JobHandle):
             self._selector.unregister(fd)
             os.close(fd)
             del self._readers[fd]
+
+    # -- kept ranks (taas.launch.api: next_cell, interrupt) ----------------------------------
+    def lost(self) -> str | None:
+        self._poll(0)  # exits since the last cell (their output stays queued for events())
+        gone = [e for e in self._pending if isinstance(e, ProcessExit)]
+        if gone:
+            return f"{gone[0].key} ended ({_how(gone[0].returncode)})"
+        if self._starter_lost or self._stopped or not self.job_dir:
+            return "the job's processes were stopped"
+        return None
+
+    def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
+        lost = self.lost()
+        if lost is not None:
+            raise LaunchError(f"the kept ranks are gone: {lost}")
+        for name in os.listdir(self.job_dir):  # the last cell's reports must not name this one
+            if name.endswith((".error.json", ".pkl", ".pkl.tmp")):
+                try:
+                    os.unlink(os.path.join(self.job_dir, name))
+                except FileNotFoundError:
+                    pass
+        jobdir.write_files(self.job_dir, files)
+        message = cells.NextCell(payload, result)
+        for key in self._pids:
+            if os.path.exists(cells.fifo_path(self.job_dir, key)):  # a kept rank made its FIFO
+                try:
+                    cells.send(self.job_dir, key, message)
+                except OSError as exc:
+                    raise LaunchError(f"the kept ranks are gone: {key} cannot be reached ({exc.strerror})") from None
+
+    def interrupt(self, keys: Iterable[str]) -> list[str]:
+        sent = []
+        for key in keys:
+            pid = self._pids.get(key)
+            if pid is None or key in self._exited:
+                continue
+            try:
+                os.kill(pid, signal.SIGINT)
+                sent.append(key)
+            except ProcessLookupError:
+                pass
+        return sent
+
+    def running_pids(self) -> dict[str, int]:
+        return {k: p for k, p in self._pids.items() if k not in self._exited}
 
     # -- the end ---------------------------------------------------------------------------
     def stop(self, grace: float = 1.0) -> None:

@@ -43,6 +43,8 @@ _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="taas-spawner")
 
 
 class LocalLauncher(Launcher):
+    keeps_ranks = True  # LocalJob implements next_cell and interrupt (--keep)
+
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None

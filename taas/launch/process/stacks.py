@@ -46,6 +46,14 @@ def start(job_dir: str, key: str, filename: str) -> None:
                      daemon=True).start()
 
 
+_cell_file: list[str] = []  # a kept rank's current cell (set_cell); empty: the one given to start()
+
+
+def set_cell(filename: str) -> None:
+    """A kept rank runs another cell: answers name lines of ``filename`` from now on."""
+    _cell_file[:] = [filename]
+
+
 def _serve(path: str, main: int, filename: str) -> None:
     while True:
         try:
@@ -57,7 +65,7 @@ def _serve(path: str, main: int, filename: str) -> None:
                 data = os.read(fd, 64)
                 if not data:
                     break  # the kernel closed its end; wait for the next request
-                events.send("stack", **snapshot(main, filename))
+                events.send("stack", **snapshot(main, _cell_file[0] if _cell_file else filename))
         except OSError:
             return
         finally:

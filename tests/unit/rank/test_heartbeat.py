@@ -141,3 +141,31 @@ def test_a_cell_shorter_than_an_interval_never_samples(events_pipe, monkeypatch)
     heartbeat.stop()  # the cell ended before the first beat was due
     time.sleep(0.1)
     assert made == [] and _beats(events_pipe) == []
+
+
+def _beaters() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "taas-heartbeat" and t.is_alive()]
+
+
+def test_a_kept_rank_beats_per_cell_and_nothing_between_cells(events_pipe, monkeypatch):
+    monkeypatch.setattr(heartbeat, "INTERVAL", 0.05)
+    heartbeat.start(CELL, "cpu")
+    heartbeat.running()
+    _wait_for_beats(events_pipe, lambda beats: beats)
+    first = _beaters()
+    heartbeat.stop()  # the kept cell is over
+    for thread in first:
+        thread.join(5)
+    assert _beaters() == []
+    _beats(events_pipe)  # what was sent before stop returned
+    assert _beats(events_pipe) == []  # nothing after (the ended thread sent nothing more)
+    heartbeat.start("<taas cell 8>", "cpu")  # the next kept cell
+    heartbeat.start("<taas cell 9>", "cpu")  # a start without a stop ends the earlier beater too
+    heartbeat.running()
+    beats = _wait_for_beats(events_pipe, lambda beats: beats and beats[-1]["state"] == "running")
+    assert all(b["kind"] == "beat" for b in beats)
+    wait_until = time.monotonic() + 5
+    while len(_beaters()) > 1 and time.monotonic() < wait_until:  # the earlier one ends within an interval
+        time.sleep(0.01)
+    assert len(_beaters()) == 1
+    heartbeat.stop()

@@ -1,0 +1,182 @@
+"""Kept ranks (``--keep``, issue 16): what a cell on ranks kept between cells costs.
+
+    python benchmarks/keep.py [--ranks 4] [--repeat 10] [--big-mib 1024] [--cells 200]
+
+Also run by ``benchmarks/launch.py`` (its last case), side by side with the rest.  Printed:
+
+* a trivial 4-rank cell (an all_reduce and a print per rank: launch.TRIVIAL) through real
+  Jupyter kernels, timed from execute_request to the reply, rounds interleaved: taas's warm
+  cell on fresh ranks, taas's cell on kept ranks, and nbdistributed's cell on its persistent
+  workers when it is installed (the goal: kept <= 0.25 x nbdistributed);
+* in one session, kept cells side by side: plain, and reading an unchanged ``--big-mib`` MiB
+  notebook tensor the ranks already hold (what it adds; the goal: <= 0.01 s);
+* ``--cells`` kept cells through a real kernel, back to back: the kernel's and each rank's
+  RSS, open fds and threads after the first tenth and after the last (the goal: flat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.launch import BIG_SAMPLE, NBD_VERSION, THINK_TIME, TRIVIAL, NbdKernel, _timed
+
+NBD_REFERENCE = 0.12  # s: nbdistributed's trivial cell as issue 16 measured it on these machines
+
+
+def _nbd_installed() -> bool:
+    try:
+        from importlib.metadata import version
+
+        return version("nbdistributed") == NBD_VERSION
+    except ImportError:  # PackageNotFoundError: not installed
+        return False
+
+
+def run_kept_kernels(ranks: int, repeat: int) -> None:
+    """The trivial cell: fresh ranks, kept ranks (and nbdistributed), each THINK_TIME after the
+    one before, after one untimed warm-up cell each."""
+    from tests.support.kernel_driver import OFFLINE, Kernel
+
+    expect = f"rank {ranks - 1} sum {ranks}"
+    fresh_cell, kept_cell = f"%%taas --gpus {ranks}\n{TRIVIAL}", f"%%taas\n{TRIVIAL}"
+    times: dict[str, list[float]] = {"fresh": [], "kept": [], "nbd": []}
+    with tempfile.TemporaryDirectory() as cwd:
+        fresh, kept, nbd = Kernel(cwd, env=OFFLINE), Kernel(cwd, env=OFFLINE), None
+        try:
+            _timed(fresh, fresh_cell, expect)  # warm-up: the start process is up
+            _timed(kept, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", expect)  # the ranks stay
+            rows = [("fresh", fresh, fresh_cell), ("kept", kept, kept_cell)]
+            if _nbd_installed():
+                nbd = NbdKernel(cwd, ranks)
+                _timed(nbd, TRIVIAL, expect)
+                rows.append(("nbd", nbd, TRIVIAL))
+            for _ in range(repeat):
+                for name, kernel, code in rows:
+                    time.sleep(THINK_TIME)
+                    times[name].append(_timed(kernel, code, expect))
+            _timed(kept, "%taas release", "released the kept ranks")
+        finally:
+            fresh.shutdown()
+            kept.shutdown()
+            if nbd is not None:
+                nbd.close()
+    med = statistics.median
+    line = (f"  keep   kernel trivial {ranks}-rank cell, median of {repeat}: taas fresh ranks "
+            f"{med(times['fresh']):.3f} s | taas kept ranks {med(times['kept']):.3f} s")
+    if times["nbd"]:
+        print(f"{line} | nbdistributed {med(times['nbd']):.3f} s (persistent workers)")
+        print(f"  ratio  kept/nbdistributed = {med(times['kept']) / med(times['nbd']):.3f}   (goal <= 0.25)")
+    else:
+        print(f"{line} | nbdistributed not installed (pip install .[bench])")
+        print(f"  ratio  kept/nbdistributed's {NBD_REFERENCE} s measured in issue 16 = "
+              f"{med(times['kept']) / NBD_REFERENCE:.3f}   (goal <= 0.25; not side by side)")
+
+
+def run_kept_big(ranks: int, repeat: int, mib: int) -> None:
+    """Kept cells in one session, plain and reading ``big`` (which the ranks hold already: it
+    went with the first kept cell), interleaved.  ``session.after_cell()`` runs where the kernel
+    would run it, after each cell."""
+    import torch
+
+    from taas.directive import parse_options
+    from taas.session import Session
+
+    from benchmarks.launch import _Collect
+
+    session = Session()
+    namespace = {"big": torch.randn(mib << 18)}  # float32: mib MiB; one dict: the notebook's
+    plain, big, made, bound = [], [], [], []
+    # Rank 0 makes a mib MiB tensor: binds it (it comes back), or drops it (the floor).
+    make = f"import torch.distributed as dist\nr = torch.ones({mib << 18}) if dist.get_rank() == 0 else None\n"
+
+    def cell(source: str, options: str) -> float:
+        started = time.perf_counter()
+        session.run_cell(source, namespace, parse_options(options), sink=_Collect())
+        wall = time.perf_counter() - started
+        session.after_cell()
+        return wall
+
+    try:
+        cell(BIG_SAMPLE + TRIVIAL, f"--gpus {ranks} --device cpu --keep")  # big goes once, here
+        for _ in range(repeat):
+            for out, source in ((plain, TRIVIAL), (big, BIG_SAMPLE + TRIVIAL),
+                                (made, make + "r = None\n" + TRIVIAL), (bound, make + TRIVIAL)):
+                time.sleep(THINK_TIME)
+                out.append(cell(source, ""))
+    finally:
+        session.release()
+        session.close()
+    med = statistics.median
+    print(f"  keep   kept cell {med(plain):.4f} s | reading the unchanged {mib} MiB tensor {med(big):.4f} s "
+          f"(median of {repeat})")
+    print(f"  added  by the unchanged {mib} MiB tensor on kept ranks = {med(big) - med(plain):+.4f} s   (goal <= 0.01)")
+    print(f"  added  by bringing a {mib} MiB result back from kept ranks (bound - made): first "
+          f"{bound[0] - med(made):+.3f} s, after {med(bound[1:] or bound) - med(made):+.3f} s   (goal <= 0.5 per GiB)")
+
+
+def _figures(proc) -> tuple[int, int, int]:
+    """(RSS bytes, open fds, threads) of one process."""
+    return proc.memory_info().rss, proc.num_fds(), proc.num_threads()
+
+
+def run_kept_many(ranks: int, cells: int) -> None:
+    """``cells`` kept cells back to back through a real kernel: resources after the first tenth
+    (everything imported, caches warm) against after the last."""
+    import psutil
+
+    from tests.support.kernel_driver import OFFLINE, Kernel, process_name
+
+    with tempfile.TemporaryDirectory() as cwd:
+        kernel = Kernel(cwd, env=OFFLINE)
+        try:
+            kernel.run("import torch\nt = torch.ones(1024)")
+            _timed(kernel, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", f"rank {ranks - 1} sum")
+            snaps = []
+            for i in range(1, cells):
+                # Each cell reads the notebook's tensor (unchanged: never sent again) and binds
+                # a result (it comes back every cell).
+                _timed(kernel, f"%%taas\n{TRIVIAL}\ns = float(t.sum()) + {i}", f"rank {ranks - 1} sum")
+                if i in (cells // 10, cells - 1):
+                    procs = {"kernel": psutil.Process(kernel.pid)}
+                    procs.update((process_name(p), p) for p in kernel.descendants()
+                                 if process_name(p).startswith("taas-rank"))
+                    snaps.append({name: _figures(p) for name, p in sorted(procs.items())})
+            _timed(kernel, "%taas release", "released the kept ranks")
+        finally:
+            kernel.shutdown()
+    first, last = snaps
+    print(f"  keep   {cells} kept cells: resources after cell {cells // 10} -> after cell {cells - 1} "
+          "(goal: flat)")
+    for name in first:
+        (rss0, fds0, th0), (rss1, fds1, th1) = first[name], last.get(name, (0, 0, 0))
+        print(f"         {name:8s} RSS {rss0 / 2**20:7.1f} -> {rss1 / 2**20:7.1f} MiB ({(rss1 - rss0) / 2**20:+.1f}) | "
+              f"fds {fds0} -> {fds1} | threads {th0} -> {th1}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--big-mib", type=int, default=1024, help="0: skip the big-tensor case")
+    parser.add_argument("--cells", type=int, default=200, help="0: skip the many-cells case")
+    args = parser.parse_args()
+    run_all(args.ranks, args.repeat, args.big_mib, args.cells)
+
+
+def run_all(ranks: int, repeat: int, big_mib: int, cells: int) -> None:
+    run_kept_kernels(ranks, repeat)
+    if big_mib:
+        run_kept_big(ranks, repeat, big_mib)
+    if cells:
+        run_kept_many(ranks, cells)
+
+
+if __name__ == "__main__":
+    main()

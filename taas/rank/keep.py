@@ -1,0 +1,114 @@
+"""A kept rank's life after its first cell (``--keep``): wait for the next cell, run it in the
+same namespace, on the same process group, until released.
+
+    first cell (rank/main.py) ──> done ──> wait on the cell FIFO (taas.launch.process.cells)
+        NextCell(payload, result) ──> unship the names sent ──> run ──> done | done(failed)
+        Release ──> leave (exit 0)
+
+A cell's exception (a typo on every rank, a KeyboardInterrupt the kernel delivered as SIGINT)
+writes the rank's failure report as a one-cell job does, then says ``done`` with
+``failed=true`` and waits for the next cell: the state stays.  The kernel removes the reports
+before it sends the next cell.  ``sys.exit`` in a kept cell ends the rank as it does in a
+one-cell job (main.py's handling); the kernel then finds the kept state lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+from collections.abc import Callable
+
+from taas.job import results
+from taas.job.package import Payload, unship
+from taas.launch.process import cells, events, report, stacks
+from taas.rank import comm, heartbeat, metrics
+
+log = logging.getLogger(__name__)
+
+KEEP_ENV = "TAAS_KEEP"  # "1": this rank is kept between cells
+
+
+def kept() -> bool:
+    return os.environ.get(KEEP_ENV) == "1"
+
+
+def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
+        run_cell: Callable[[Payload, dict], object], result: str | None) -> None:
+    """Run one cell on this kept rank and say ``done`` however it ended (but sys.exit, which
+    ends the rank).  ``result``: where rank 0 writes its results (None: the job's RESULT)."""
+    try:
+        out = run_cell(payload, namespace)
+        comm.report()
+        if rank == 0 and payload.results:
+            # Big storages go to the kernel as memory files on the channel the kept ranks got
+            # with their first cell (it lives as long as they do: taas.supervisor.kept).
+            data = results.encode(results.collect(namespace, payload.bound, out,
+                                                  to_cpu=payload.results_to_cpu,
+                                                  channel=results.channel_from(os.environ)))
+            if result is None:
+                report.write_result(job_dir, data)
+            else:
+                _write(os.path.join(job_dir, result), data)
+        failed = False
+    except SystemExit:
+        raise
+    except BaseException as exc:  # the user's error, or the kernel's interrupt (SIGINT)
+        report.write_error(job_dir, key, exc, 1)
+        failed = True
+    heartbeat.stop()  # an idle kept rank sends nothing until its next cell
+    sys.stdout.flush()
+    sys.stderr.flush()
+    events.send("done", failed=failed)
+
+
+def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict,
+          run_cell: Callable[[Payload, dict], object], resolve: Callable[[str], object]) -> int:
+    """Cells until released; the exit code."""
+    while True:
+        try:
+            message = inbox.next()
+        except KeyboardInterrupt:  # a late interrupt of the cell that just ended: not ours
+            continue
+        if isinstance(message, cells.Release):
+            log.debug("rank %d released", rank)
+            return 0
+        try:
+            with open(os.path.join(job_dir, message.payload), "rb") as f:
+                payload: Payload = pickle.load(f)
+            stacks.set_cell(payload.filename)
+            heartbeat.start(payload.filename, payload.device)  # the panel, as in a one-cell job
+            metrics.new_cell()
+            namespace = _merge(namespace, unship(payload.names, resolve=resolve))
+            heartbeat.running()
+        except KeyboardInterrupt as exc:
+            heartbeat.stop()
+            report.write_error(job_dir, key, exc, 1)
+            events.send("done", failed=True)
+            continue
+        log.debug("rank %d: kept cell %s", rank, payload.filename)
+        run(job_dir, key, rank, payload, namespace, run_cell, message.result)
+
+
+def _merge(kept: dict, sent: dict) -> dict:
+    """The namespace the next cell runs in: the kept one with the names sent over it.  When
+    the names sent bring notebook functions, their globals dict is ``sent`` (see
+    :func:`taas.job.package.unship`): the cell then runs in that dict, with every kept name
+    the cell did not send copied in, so a sent function sees the ranks' own names."""
+    if not sent:
+        return kept
+    if any(getattr(v, "__globals__", None) is sent for v in sent.values()):
+        for name, value in kept.items():
+            sent.setdefault(name, value)
+        return sent
+    kept.update(sent)
+    return kept
+
+
+def _write(path: str, data: bytes) -> None:
+    """Whole or not at all: the kernel never reads half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -1,0 +1,150 @@
+"""The session with kept ranks, driven by a scripted launcher whose ranks say ``done`` per cell
+(no process anywhere): which names each cell ships, reuse, --fresh, lost ranks, refusals."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from taas import directive
+from taas.errors import DirectiveError
+from taas.job.api import PAYLOAD
+from taas.job.package import unship
+from taas.launch.api import JobHandle, Launcher, OutputChunk, Topology
+from taas.session import Session
+
+
+class KeptHandle(JobHandle):
+    """Ranks that say done after every cell; ``payloads`` holds each cell's payload."""
+
+    def __init__(self, spec):
+        self.spec, self.payloads, self.stopped, self.gone = spec, [pickle.loads(spec.files[PAYLOAD])], False, None
+        self.script = self._done()
+
+    def _done(self):
+        return [OutputChunk(p.key, "events", b'{"kind": "done"}\n') for p in self.spec.processes]
+
+    @property
+    def keys(self):
+        return [p.key for p in self.spec.processes]
+
+    def events(self, timeout):
+        out, self.script = self.script, []
+        return out
+
+    def drain(self, timeout=2.0):
+        return []
+
+    def stop(self, grace=1.0):
+        self.stopped = True
+
+    def fetch(self, key, name):
+        return None
+
+    def request_stacks(self, keys):
+        return []
+
+    def layers(self):
+        return []
+
+    def close(self):
+        self.stop()
+
+    def lost(self):
+        return self.gone
+
+    def next_cell(self, files, payload, result):
+        self.payloads.append(pickle.loads(files[payload]))
+        self.script = self._done()
+
+
+class KeepingLauncher(Launcher):
+    keeps_ranks = True
+
+    def __init__(self):
+        self.handles: list[KeptHandle] = []
+
+    def cuda_devices(self):
+        return 0
+
+    def start(self, spec):
+        assert all(p.env.get("TAAS_KEEP") == "1" for p in spec.processes)
+        self.handles.append(KeptHandle(spec))
+        return self.handles[-1]
+
+    def topology(self, world):
+        return Topology(rank_nodes=(0,) * world)
+
+    def shutdown(self):
+        pass
+
+
+class Sink:
+    def __init__(self):
+        self.text = []
+
+    def write(self, stream, text):
+        self.text.append(text)
+
+
+def shipped(payload) -> set:
+    return set(unship(payload.names)) - {"__builtins__"}
+
+
+def test_a_kept_cell_ships_only_what_the_ranks_lack_or_the_notebook_changed():
+    launcher = KeepingLauncher()
+    session = Session(launcher)
+    ns = {"t": torch.zeros(3), "n": 1, "xs": [1]}
+    try:
+        session.run_cell("t; n; xs", ns, directive.parse_options("--gpus 2 --keep"), sink=Sink())
+        session.run_cell("t; n; xs", ns, directive.parse_options(""), sink=Sink())
+        ns["t"].add_(1)
+        ns["xs"].append(2)
+        session.run_cell("t; n; xs", ns, directive.parse_options("--gpus 2"), sink=Sink())
+        ns["n"] = 2
+        session.run_cell("t; n; xs", ns, directive.parse_options(""), sink=Sink())
+        assert len(launcher.handles) == 1  # one start, four cells
+        assert [shipped(p) for p in launcher.handles[0].payloads] == [
+            {"t", "n", "xs"}, set(), {"t", "xs"}, {"n"}]
+    finally:
+        session.close()
+    assert launcher.handles[0].stopped and session.kept is None
+
+
+def test_fresh_another_world_and_lost_ranks_start_fresh_ones_with_one_line():
+    launcher = KeepingLauncher()
+    session = Session(launcher)
+    try:
+        session.run_cell("x = 1", {}, directive.parse_options("--gpus 2 --keep"), sink=Sink())
+        for argline, why in [("--gpus 2 --fresh --keep", "--fresh"),
+                             ("--gpus 1 --keep", "asks for 1 rank(s) on cpu/gloo")]:
+            sink = Sink()
+            session.run_cell("x = 1", {}, directive.parse_options(argline), sink=sink)
+            lines = [t for t in sink.text if "released the kept ranks" in t]
+            assert len(lines) == 1 and why in lines[0]
+        launcher.handles[-1].gone = "rank0 ended (signal 9)"
+        sink = Sink()
+        session.run_cell("x = 1", {}, directive.parse_options("--keep"), sink=sink)
+        assert any("rank0 ended (signal 9), so their state is lost" in t for t in sink.text)
+        assert len(launcher.handles) == 4 and all(h.stopped for h in launcher.handles[:3])
+        assert session.release() == "taas: released the kept ranks (1 on cpu/gloo)"
+    finally:
+        session.close()
+
+
+class PlainLauncher(KeepingLauncher):
+    keeps_ranks = False
+
+
+def test_keep_is_refused_where_the_launcher_cannot_keep_ranks():
+    session = Session(PlainLauncher())
+    try:
+        with pytest.raises(DirectiveError, match="--keep is not supported by this launcher"):
+            session.run_cell("x = 1", {}, directive.parse_options("--keep"), sink=Sink())
+        session.launcher_for = lambda address: PlainLauncher()  # a cluster's launcher
+        with pytest.raises(DirectiveError, match="--keep is not supported on a cluster yet"):
+            session.run_cell("x = 1", {}, directive.parse_options("--keep --cluster ray://x:1"), sink=Sink())
+    finally:
+        session.close()
