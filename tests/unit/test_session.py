@@ -11,68 +11,21 @@ from taas import directive
 from taas.errors import CellSyntaxError
 from taas.job import results
 from taas.job.api import PAYLOAD
-from taas.launch.api import RESULT, JobHandle, Launcher, ProcessExit, Topology
+from taas.launch.api import RESULT, ProcessExit
 from taas.session import CellResult, Session, transport_for, working_directory  # noqa: F401 - the re-exports
+from tests.support.scripted import OneMachine, ScriptedHandle, Sink
 
 
-class Handle(JobHandle):
-    """Every process exits 0 at once; rank 0 left ``files``."""
+class OneShotLauncher(OneMachine):
+    """Every process exits 0 at once; rank 0 left ``result`` (if any)."""
 
-    def __init__(self, spec, files):
-        self.spec, self.files = spec, files
-        self.script = [ProcessExit(p.key, 0, 0) for p in spec.processes]
-
-    @property
-    def keys(self):
-        return [p.key for p in self.spec.processes]
-
-    def events(self, timeout):
-        return [self.script.pop(0)] if self.script else []
-
-    def drain(self, timeout=2.0):
-        out, self.script = self.script, []
-        return out
-
-    def stop(self, grace=1.0):
-        self.script = []
-
-    def fetch(self, key, name):
-        return self.files.get((key, name))
-
-    def request_stacks(self, keys):
-        return []
-
-    def layers(self):
-        return []
-
-    def close(self):
-        pass
-
-
-class OneShotLauncher(Launcher):
     def __init__(self, result: bytes | None = None):
         self.result, self.specs = result, []
 
-    def cuda_devices(self):
-        return 0
-
     def start(self, spec):
         self.specs.append(spec)
-        return Handle(spec, {} if self.result is None else {("rank0", RESULT): self.result})
-
-    def topology(self, world):
-        return Topology(rank_nodes=(0,) * world)
-
-    def shutdown(self):
-        pass
-
-
-class Sink:
-    def __init__(self):
-        self.text = []
-
-    def write(self, stream, text):
-        self.text.append((stream, text))
+        return ScriptedHandle(spec, [ProcessExit(p.key, 0, 0) for p in spec.processes],
+                              {} if self.result is None else {("rank0", RESULT): self.result})
 
 
 def _run(launcher, source, namespace=None, argline="--gpus 2"):

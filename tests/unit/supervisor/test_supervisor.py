@@ -12,15 +12,13 @@ from taas.job.api import Job, Policy, World
 from taas.job.package import Payload
 from taas.launch.api import (
     RESULT,
-    JobHandle,
-    Launcher,
     OutputChunk,
     ProcessExit,
-    Topology,
     error_name,
 )
 from taas.supervisor.machine import Ev, InvalidTransition, Machine, State
 from taas.supervisor.supervisor import Supervisor
+from tests.support.scripted import ScriptedLauncher, Sink
 
 S = State
 
@@ -88,68 +86,6 @@ def test_every_state_is_reachable_and_finals_are_final():
 
 
 # -- the supervisor, driven by a scripted launcher ---------------------------------------------
-class ScriptedHandle(JobHandle):
-    """Plays one attempt's events; every process exits as the script says."""
-
-    def __init__(self, spec, script):
-        self.spec, self.script, self.stopped, self.closed = spec, list(script), False, False
-        self.files = {}
-
-    @property
-    def keys(self):
-        return [p.key for p in self.spec.processes]
-
-    def events(self, timeout):
-        return [self.script.pop(0)] if self.script else []
-
-    def drain(self, timeout=2.0):
-        out, self.script = self.script, []
-        return out
-
-    def stop(self, grace=1.0):
-        self.stopped = True
-        left = {e.key for e in self.script if isinstance(e, ProcessExit)}
-        self.script = [ProcessExit(k, 0, -15) for k in self.keys if k in left]
-
-    def fetch(self, key, name):
-        return self.files.get((key, name))
-
-    def request_stacks(self, keys):
-        return []
-
-    def layers(self):
-        return []
-
-    def close(self):
-        self.closed = True
-
-
-class ScriptedLauncher(Launcher):
-    def __init__(self, attempts):
-        self.attempts = list(attempts)  # one (script, files) per attempt
-        self.specs, self.handles = [], []
-
-    def start(self, spec):
-        self.specs.append(spec)
-        script, files = self.attempts.pop(0)
-        handle = ScriptedHandle(spec, script)
-        handle.files = files
-        self.handles.append(handle)
-        return handle
-
-    def topology(self, world):
-        return Topology(rank_nodes=(0,) * world)
-
-    def shutdown(self):
-        pass
-
-
-class Sink:
-    def __init__(self):
-        self.text = []
-
-    def write(self, stream, text):
-        self.text.append((stream, text))
 
 
 def _job(world=2, **policy):
