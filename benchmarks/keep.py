@@ -25,7 +25,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launch import BIG_SAMPLE, NBD_VERSION, THINK_TIME, TRIVIAL, NbdKernel, _timed
+from benchmarks.launching.job import THINK_TIME
+from benchmarks.launching.kernels import NBD_VERSION, TRIVIAL, NbdKernel, timed
+from benchmarks.launching.values import BIG_SAMPLE
 
 NBD_REFERENCE = 0.12  # s: nbdistributed's trivial cell as issue 16 measured it on these machines
 
@@ -50,18 +52,18 @@ def run_kept_kernels(ranks: int, repeat: int) -> None:
     with tempfile.TemporaryDirectory() as cwd:
         fresh, kept, nbd = Kernel(cwd, env=OFFLINE), Kernel(cwd, env=OFFLINE), None
         try:
-            _timed(fresh, fresh_cell, expect)  # warm-up: the start process is up
-            _timed(kept, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", expect)  # the ranks stay
+            timed(fresh, fresh_cell, expect)  # warm-up: the start process is up
+            timed(kept, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", expect)  # the ranks stay
             rows = [("fresh", fresh, fresh_cell), ("kept", kept, kept_cell)]
             if _nbd_installed():
                 nbd = NbdKernel(cwd, ranks)
-                _timed(nbd, TRIVIAL, expect)
+                timed(nbd, TRIVIAL, expect)
                 rows.append(("nbd", nbd, TRIVIAL))
             for _ in range(repeat):
                 for name, kernel, code in rows:
                     time.sleep(THINK_TIME)
-                    times[name].append(_timed(kernel, code, expect))
-            _timed(kept, "%taas release", "released the kept ranks")
+                    times[name].append(timed(kernel, code, expect))
+            timed(kept, "%taas release", "released the kept ranks")
         finally:
             fresh.shutdown()
             kept.shutdown()
@@ -88,7 +90,7 @@ def run_kept_big(ranks: int, repeat: int, mib: int) -> None:
     from taas.directive import parse_options
     from taas.session import Session
 
-    from benchmarks.launch import _Collect
+    from benchmarks.launching.job import Collect
 
     session = Session()
     namespace = {"big": torch.randn(mib << 18)}  # float32: mib MiB; one dict: the notebook's
@@ -98,7 +100,7 @@ def run_kept_big(ranks: int, repeat: int, mib: int) -> None:
 
     def cell(source: str, options: str) -> float:
         started = time.perf_counter()
-        session.run_cell(source, namespace, parse_options(options), sink=_Collect())
+        session.run_cell(source, namespace, parse_options(options), sink=Collect())
         wall = time.perf_counter() - started
         session.after_cell()
         return wall
@@ -137,18 +139,18 @@ def run_kept_many(ranks: int, cells: int) -> None:
         kernel = Kernel(cwd, env=OFFLINE)
         try:
             kernel.run("import torch\nt = torch.ones(1024)")
-            _timed(kernel, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", f"rank {ranks - 1} sum")
+            timed(kernel, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", f"rank {ranks - 1} sum")
             snaps = []
             for i in range(1, cells):
                 # Each cell reads the notebook's tensor (unchanged: never sent again) and binds
                 # a result (it comes back every cell).
-                _timed(kernel, f"%%taas\n{TRIVIAL}\ns = float(t.sum()) + {i}", f"rank {ranks - 1} sum")
+                timed(kernel, f"%%taas\n{TRIVIAL}\ns = float(t.sum()) + {i}", f"rank {ranks - 1} sum")
                 if i in (cells // 10, cells - 1):
                     procs = {"kernel": psutil.Process(kernel.pid)}
                     procs.update((process_name(p), p) for p in kernel.descendants()
                                  if process_name(p).startswith("taas-rank"))
                     snaps.append({name: _figures(p) for name, p in sorted(procs.items())})
-            _timed(kernel, "%taas release", "released the kept ranks")
+            timed(kernel, "%taas release", "released the kept ranks")
         finally:
             kernel.shutdown()
     first, last = snaps

@@ -174,7 +174,7 @@ class NbdKernel:
         self.store = None
 
 
-def _timed(kernel, code: str, expect: str) -> float:
+def timed(kernel, code: str, expect: str) -> float:
     started = time.perf_counter()
     run = kernel.run(code)
     wall = time.perf_counter() - started
@@ -206,12 +206,12 @@ def run_kernels(ranks: int, repeat: int) -> None:
         nbd = None
         try:
             nbd = NbdKernel(cwd, ranks)
-            _timed(taas_kernel, taas_cell, expect)  # warm-up: the start process is up
-            _timed(nbd, TRIVIAL, expect)
+            timed(taas_kernel, taas_cell, expect)  # warm-up: the start process is up
+            timed(nbd, TRIVIAL, expect)
             for _ in range(repeat):
                 for times, kernel, code in ((taas_times, taas_kernel, taas_cell), (nbd_times, nbd, TRIVIAL)):
                     time.sleep(THINK_TIME)
-                    times.append(_timed(kernel, code, expect))
+                    times.append(timed(kernel, code, expect))
         finally:
             taas_kernel.shutdown()
             if nbd is not None:
