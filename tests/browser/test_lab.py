@@ -124,6 +124,26 @@ def _panels(notebook, index: int) -> list:
     return notebook.driver.execute_script(_PANELS, notebook.path, index)
 
 
+# Where the text of the panel's title, of its first header cell, and of the cell's first
+# printed line starts, in pixels from the page's left (rounded).
+_LEFTS = """
+const [path, index] = arguments;
+const node = window.__taasNotebooks[path].content.widgets[index].node;
+const panel = node.querySelector('.taas-panel');
+const printed = [...node.querySelectorAll('.jp-OutputArea-output')].find((o) => !o.querySelector('.taas-panel'));
+const left = (element) => {
+  const range = document.createRange();
+  range.selectNodeContents(element);
+  return Math.round(range.getClientRects()[0].left);
+};
+return [left(panel.firstElementChild), left(panel.querySelector('th')), left(printed.querySelector('pre') || printed)];
+"""
+
+
+def _text_lefts(notebook, index: int) -> list:
+    return notebook.driver.execute_script(_LEFTS, notebook.path, index)
+
+
 def _rows(panel: dict) -> dict:
     """A panel's rank rows by rank: column name -> text."""
     header, *rows = panel["rows"]
@@ -173,6 +193,8 @@ def test_the_rank_panel_updates_in_place_then_gives_way_to_its_summary(notebook,
     assert rows["rank1"]["call"] == "barrier", first
     assert re.fullmatch(r"taas: 2 ranks, [\d.]+ s into the job", first["title"]), first
     assert all(re.fullmatch(r"\d+(\.\d)? [kMG]?B", r["RSS"]) for r in rows.values()), first
+    # Its title, its table and the cell's printed lines start at one left edge.
+    assert len(set(_text_lefts(notebook, index))) == 1, _text_lefts(notebook, index)
     snap("mid-job")
     # Updated in place: a later refresh has another title, and is still the cell's one panel,
     # in the same output area.
@@ -213,9 +235,11 @@ def test_the_metrics_plot_renders_live_and_taas_metrics_shows_every_row(notebook
     done = notebook.wait_done(index)
     images = [i for o in done["outputs"] for i in o["images"]]
     assert len(images) == 1, done  # one plot, updated in place
-    logged = re.search(TAG + r"logged (\d+)", "\n".join(o["text"] for o in done["outputs"]))
-    assert logged, done
-    steps = int(logged.group(1))
+    # Rows each rank logged (the ranks see the file at different steps: "[rank0] logged 15",
+    # "[rank1] logged 16", or one collapsed "[rank0-1] logged 15").
+    logged = re.findall(r"\[rank(0|1|0-1)\] logged (\d+)", "\n".join(o["text"] for o in done["outputs"]))
+    rows_logged = sum(int(n) * (2 if tag == "0-1" else 1) for tag, n in logged)
+    assert sorted(t for tag, _ in logged for t in tag.split("-")) == ["0", "1"], done
     assert not any(o["mime"] == "application/vnd.jupyter.error" for o in done["outputs"]), done
 
     table = notebook.run_done("taas.metrics()")
@@ -227,10 +251,10 @@ def test_the_metrics_plot_renders_live_and_taas_metrics_shows_every_row(notebook
         ".map((c) => c.textContent);", notebook.path, notebook.last)
     if header is not None:
         assert [h for h in header if h] == ["step", "rank", "loss"], header
-        assert re.search(rf"{2 * steps} rows", text), text
+        assert re.search(rf"{rows_logged} rows", text), text
     else:
         rows = re.findall(r"\{'step': (\d+), 'rank': (\d), 'loss': ", text)
-        assert len(rows) == 2 * steps and {r for _, r in rows} == {"0", "1"}, text
+        assert len(rows) == rows_logged and {r for _, r in rows} == {"0", "1"}, text
 
 
 # How many distinct colours a grid of the cell's first image's pixels has (a blank plot: 1).
