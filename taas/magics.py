@@ -109,6 +109,19 @@ class NotebookSink:
             self._panel = None
 
 
+def cell_number(shell) -> int:
+    """The execution count of the cell running now: the number of its ``In [N]`` prompt.
+
+    ``shell.execution_count`` is not it: IPython 9 counts the cell before running it (so
+    during the cell it is already N + 1), IPython 8 after.  The running cell's own
+    ``ExecutionResult`` (the displayhook holds it while the cell runs) has the number in both;
+    without one (a magic called from code, not from a cell) the shell's count is the best guess.
+    """
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    number = getattr(running, "execution_count", None)
+    return number if isinstance(number, int) else shell.execution_count
+
+
 @magics_class
 class TaasMagics(Magics):
     def __init__(self, shell, session: Session):
@@ -120,15 +133,15 @@ class TaasMagics(Magics):
         if cell is None:
             return self._status(line)
         shell = self.shell
-        log.debug("cell In[%s]: %d line(s), options %r", shell.execution_count,
-                  len(cell.splitlines()), line.strip())
+        number = cell_number(shell)
+        log.debug("cell In[%s]: %d line(s), options %r", number, len(cell.splitlines()), line.strip())
         try:
             options = directive.parse_options(line)
         except DirectiveError as exc:
             raise UsageError(str(exc)) from None
         log.debug("parsed options: %s", options)
         # Register the whole cell with IPython so tracebacks say "Cell In[7], line 4".
-        filename = shell.compile.cache(f"%%taas {line}\n{cell}", shell.execution_count)
+        filename = shell.compile.cache(f"%%taas {line}\n{cell}", number)
         kernel = getattr(shell, "kernel", None)
         # An interactive front end (JupyterLab, Notebook, VS Code) asks with allow_stdin; batch
         # runners (nbconvert, nbclient, nbval, papermill) do not, and keep only a display's

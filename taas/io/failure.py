@@ -203,6 +203,22 @@ def layer_hint(written: dict[str, list[str]]) -> str | None:
             "that share files on purpose, run the cell with --storage shared")
 
 
+def unseen_hint(written: list[str]) -> str | None:
+    """The one line for a job that failed (or hung) while files were written in the working
+    directory itself (by rank 0 or the notebook) under ``--storage layer``: a rank other than 0
+    sees the working directory through an overlay, which remembers that a name was not there,
+    so a file created after the rank first looked for it stays invisible to that rank until the
+    job ends.  None: nothing written (``written``: relative paths)."""
+    if not written:
+        return None
+    files = ", ".join(written[:LAYER_SHOWN]) + (
+        f" and {len(written) - LAYER_SHOWN} more" if len(written) > LAYER_SHOWN else "")
+    return (f"taas: {files} {'was' if len(written) == 1 else 'were'} written in the working "
+            "directory while the job ran: a rank other than 0 (--storage layer, the default) does "
+            "not see a file created there after it first looked for it; create such files before "
+            "the cell, or run it with --storage shared")
+
+
 def syntax_error(exc: SyntaxError, name_for: Callable[[str], str] | None = None):
     """The cell's SyntaxError as Python shows it, at the cell's own line, without taas's frames
     (a cell that does not compile fails before anything starts: no process, no report)."""

@@ -185,7 +185,9 @@ def as_html(title: str, ranks: list[RankRow], loaders: Sequence[LoaderRow] = ())
     rows = grouped(ranks)
     states = [r.state if isinstance(r, RankRow) else None for r in rows]
     parts = [f'<div class="taas-panel" style="{_FONT}">',
-             f'<div style="{_CELL}; padding-left: 0">{html.escape(title)}</div>',
+             # The cells' own padding: the title lines up with the table and with the
+             # cell's text outputs above and below (Lab pads those by as much).
+             f'<div style="{_CELL}">{html.escape(title)}</div>',
              f'<table style="{_STYLE}">', _html_row(header, "th")]
     parts += [_html_row(cells, state=state) for cells, state in zip(body, states)]
     parts += [_html_row(cells + [""] * (len(header) - len(cells)), state=r.state)

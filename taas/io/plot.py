@@ -71,34 +71,48 @@ def summary(series: Series) -> str:
     return ", ".join(parts)
 
 
-def render(series: Series, title: str = "") -> bytes:
-    """The series as a PNG: one plot per scalar (up to ``MAX_PANELS``), each against step."""
+def figure(series: Series, title: str = ""):
+    """The series drawn: one plot per scalar (up to ``MAX_PANELS``), each against step, on a
+    matplotlib ``Figure`` with an Agg canvas (:func:`render` makes it a PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     names = [n for n in series if len(series[n][0])][:MAX_PANELS]
     more = len(series) - len(names)
     cols = min(3, max(1, len(names)))
     rows = max(1, -(-len(names) // cols))
-    # Fixed margins: a constrained or tight layout costs more than the drawing itself.
-    figure = Figure(figsize=(3.6 * cols, 2.4 * rows + 0.4), dpi=80)
-    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.16 / rows, top=1 - 0.3 / (rows + 0.2),
-                           wspace=0.3, hspace=0.55)
-    canvas = FigureCanvasAgg(figure)
+    width, height = 3.6 * cols, 2.4 * rows + 0.4
+    # Fixed margins (a constrained or tight layout costs more than the drawing itself), in
+    # inches: room for the y tick labels whatever the number of columns, and for the titles.
+    figure = Figure(figsize=(width, height), dpi=80)
+    figure.subplots_adjust(left=0.6 / width, right=1 - 0.15 / width, bottom=0.45 / height,
+                           top=1 - 0.7 / height, wspace=0.3, hspace=0.55)
+    FigureCanvasAgg(figure)
     for i, name in enumerate(names):
         axes = figure.add_subplot(rows, cols, i + 1)
         x, y = decimate(*series[name])
         axes.plot(x, y, linewidth=1.2)
-        axes.set_title(f"{name}  {y[-1]:.4g}" if len(y) else name, fontsize=10)
+        # Padded: above the exponent matplotlib may put at the axis's top left.
+        axes.set_title(f"{name}  {y[-1]:.4g}" if len(y) else name, fontsize=10, pad=12)
         axes.tick_params(labelsize=8)
+        # Steps are whole numbers; small or large values (a learning rate) get an exponent
+        # above the axis, so that their tick labels stay short enough for the margin.
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 5))
         axes.grid(alpha=0.3)
         if i >= len(names) - cols:
             axes.set_xlabel("step", fontsize=9)
     heading = title + (f"  (+{more} more: taas.metrics())" if more > 0 else "")
     if heading:
         figure.suptitle(heading, fontsize=10)
+    return figure
+
+
+def render(series: Series, title: str = "") -> bytes:
+    """The series as a PNG (see :func:`figure`)."""
     buffer = io.BytesIO()
-    canvas.print_png(buffer)
+    figure(series, title).canvas.print_png(buffer)
     return buffer.getvalue()
 
 

@@ -7,7 +7,9 @@
 * :func:`job_failed`: the failure report -- every process's report file and fault dump, read
   through the launcher's :class:`~taas.launch.api.JobHandle`, the root cause first.
 * :func:`layer_hint`: after an attempt that did not succeed, the files ranks other than 0 wrote
-  into their ``--storage layer`` layers, which the others could not see meanwhile.
+  into their ``--storage layer`` layers, which the others could not see meanwhile;
+  :func:`missing_file`: whether the root cause was a file that was not there (then the files
+  written in the working directory meanwhile are named: :func:`taas.io.failure.unseen_hint`).
 
 The rendering itself is :mod:`taas.io.hang` and :mod:`taas.io.failure` (pure); this module
 fetches what they render.
@@ -110,6 +112,12 @@ def job_failed(handle, ends: list[failure.ProcessEnd], name_for) -> JobFailed:
     assert root is not None, "job_failed() of an attempt that did not fail"
     others = [end for end in ends if end is not root]
     return JobFailed(failure.summary(root), failure.render(root, others, name_for), root)
+
+
+def missing_file(failed: JobFailed) -> bool:
+    """Did the root cause fail on a file that was not there (FileNotFoundError)?"""
+    chain = ((failed.report.record if failed.report is not None else None) or {}).get("chain") or []
+    return bool(chain) and "No such file or directory" in chain[-1].get("text", "")
 
 
 def layer_hint(report) -> str | None:

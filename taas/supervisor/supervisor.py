@@ -104,6 +104,7 @@ class Supervisor:
         job, plane, restart = self.job, self.job.data, self.machine.restarts
         handle = None
         succeeded = False
+        missed = False  # interrupted, past --timeout, or failed on a missing file (unseen_hint)
         layers = merge.Layers(job.cwd, job.policy.storage == "layer"
                               and (job.world.size > 1 or plane is not None))
         try:
@@ -129,6 +130,7 @@ class Supervisor:
                 return True
             router.replay_hidden("--- recent output of {key} ---")
             failed = diagnosis.job_failed(handle, list(ends.values()), self.name_for)
+            missed = diagnosis.missing_file(failed)
             if self.transition(Ev.STOPPED) is S.RESTARTING:
                 note(self.sink, f"taas: restart {restart + 1}/{job.policy.max_restarts}: "
                      f"{failed.summary}", WARN)
@@ -138,7 +140,11 @@ class Supervisor:
                 rendered = [failed.rendered[0].replace(failed.summary, summary)] + failed.rendered[1:]
                 failed = JobFailed(summary, rendered, failed.report)
             raise failed
+        except KeyboardInterrupt:
+            missed = True
+            raise
         except JobFailed:
+            missed = missed or self.machine.cause is Ev.TIMEOUT
             if plane is not None and self.machine.cause is Ev.TIMEOUT:
                 reports = (lambda key: diagnosis.read_report(handle, key)) if handle is not None else None
                 hung = plane.hang(job.policy.timeout, self.name_for, reports)
@@ -151,10 +157,14 @@ class Supervisor:
             with deferred_interrupt():
                 if handle is not None:
                     handle.stop(STOP_GRACE)
+                    # What rank 0 or the notebook wrote meanwhile, before the merge adds files.
+                    written = layers.written() if missed and job.world.size > 1 else []
                     merged = layers.merge(handle.layers(), job.job_id, self.sink)  # failed attempts' too
                     hint = None if succeeded else diagnosis.layer_hint(merged)
-                    if hint:  # why ranks that read each other's files failed
-                        note(self.sink, hint, WARN)
+                    # Why ranks that read each other's files, or waited for a file, failed.
+                    for line in (hint, failure.unseen_hint(written)):
+                        if line:
+                            note(self.sink, line, WARN)
                     handle.close()
                 if plane is not None:
                     plane.finish(self.sink)

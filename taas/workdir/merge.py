@@ -268,6 +268,10 @@ def _paths(paths) -> str:
     return shown + (f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
 
 
+# Directories whose files are no news to a user: taas's own, caches, Jupyter's, git's.
+_NOT_NEWS = frozenset({".taas", "__pycache__", ".ipynb_checkpoints", ".git"})
+
+
 class Layers:
     """The ``--storage layer`` bookkeeping of one attempt: the working directory's clock before
     the launch, and the merge of every process's layer once all of them have exited."""
@@ -281,6 +285,30 @@ class Layers:
     def mark(self) -> None:
         if self.active:
             self.since_ns = clock_mark(self.cwd) or 0  # 0: every existing file counts as touched
+
+    def written(self, limit: int = 5000) -> list[str]:
+        """Files of the working directory itself written since :meth:`mark` (by rank 0, the
+        notebook, anyone: not the layers), as sorted relative paths; call it before
+        :meth:`merge`.  At most ``limit`` entries are looked at (a dataset directory is not
+        walked through); taas's own, caches and notebooks (saved while a job runs) are left out."""
+        if not self.active or not self.since_ns:
+            return []
+        found: list[str] = []
+        pending, seen = [self.cwd], 0
+        while pending and seen < limit:
+            try:
+                with os.scandir(pending.pop()) as entries:
+                    for entry in entries:
+                        seen += 1
+                        if entry.is_dir(follow_symlinks=False):
+                            if entry.name not in _NOT_NEWS:
+                                pending.append(entry.path)
+                        elif not entry.name.endswith(".ipynb") and (
+                                entry.stat(follow_symlinks=False).st_ctime_ns >= self.since_ns):
+                            found.append(os.path.relpath(entry.path, self.cwd))
+            except OSError:  # gone or unreadable meanwhile: nothing to say about it
+                continue
+        return sorted(found)
 
     def merge(self, layers: list[tuple[str, str]], job_id: str, sink) -> MergeReport | None:
         """Merge ``layers`` (``(name, upper)``, JobHandle.layers) into the working directory

@@ -2,7 +2,8 @@
 per test module, and a screenshot of the page at the end of every test.
 
 Screenshots go to $TAAS_SCREENSHOTS, else tests/browser/screenshots/ (git-ignored), one PNG per
-test named after it; they are written whether the test passed or failed, and never removed.
+test named after it (and <test>-<label>.png for the moments a test snaps mid-way, ``snap``);
+they are written whether the test passed or failed, and never removed.
 """
 
 from __future__ import annotations
@@ -54,11 +55,27 @@ def notebook(request, browser, lab):
     nb.close()
 
 
+def _shot_name(request, label: str = "") -> str:
+    name = re.sub(r"[^\w.-]+", "_", request.node.name)
+    return os.path.join(SCREENSHOTS, f"{name}{'-' + label if label else ''}.png")
+
+
+@pytest.fixture
+def snap(request, notebook, browser):
+    """``snap(label)``: a screenshot now, cell ``notebook.last`` in view, as <test name>-<label>.png
+    (a moment the end-of-test screenshot cannot show: a panel while the job runs)."""
+    def take(label: str) -> str:
+        notebook.show(notebook.last)
+        path = _shot_name(request, label)
+        browser.screenshot(path)
+        return path
+    return take
+
+
 @pytest.fixture(autouse=True)
 def screenshot(request, notebook, browser):
     """The page as the test left it, its last cell in view: <test name>.png."""
     yield
     if notebook.last >= 0:
         notebook.show(notebook.last)
-    name = re.sub(r"[^\w.-]+", "_", request.node.name)
-    browser.screenshot(os.path.join(SCREENSHOTS, f"{name}.png"))
+    browser.screenshot(_shot_name(request))

@@ -93,3 +93,42 @@ def test_a_silent_job_says_where_it_is_once_per_stall_and_goes_on(kernel, clean)
     # Start-up may be silent for 2 s too on a busy machine: those lines name no cell line.
     in_loop = [line for line in stalls if re.search(r"rank0,1: line [56] ", line)]
     assert len(in_loop) == 1, run.stderr
+
+
+def _prompt(run) -> int:
+    """The cell's ``In [N]`` as the front end shows it (the kernel's execute_input count)."""
+    return next(m["content"]["execution_count"] for m in run.messages if m["msg_type"] == "execute_input")
+
+
+def test_tracebacks_and_interrupt_stacks_name_the_cells_own_prompt(kernel, clean):
+    # IPython 9 counts a cell before running it: tracebacks said "Cell In[4]" under prompt [3].
+    failed = kernel.run(cell("""
+        %%taas --gpus 2
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError('rank one broke')
+        dist.barrier()
+        """))
+    assert failed.status == "error"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(failed.error["traceback"]))
+    assert f"Cell In[{_prompt(failed)}], line 4" in text, (_prompt(failed), text)
+    assert re.findall(r"Cell In\[(\d+)\]", text) == [str(_prompt(failed))], text
+
+    seen = {}
+
+    def on_output(out):
+        # Both ranks' line (collapsed as one when identical): both are in the cell.
+        if re.search(r"\[rank(0-1|0,1|1)\] sleeping", out.stdout) and "at" not in seen:
+            seen["at"] = True
+            kernel.km.interrupt_kernel()
+
+    interrupted = kernel.run(cell("""
+        %%taas --gpus 2
+        import time
+        print('sleeping', flush=True)
+        time.sleep(600)
+        """), on_output=on_output)
+    assert interrupted.status == "error" and interrupted.error["ename"] == "KeyboardInterrupt"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(interrupted.error["traceback"]))
+    # Each rank's stack names the cell as its prompt does.
+    assert re.findall(r"Cell In\[(\d+)\], line 4", text) == [str(_prompt(interrupted))] * 2, text

@@ -4,10 +4,15 @@
 * "the ranks never communicated": only after ranks trained (backward passes, optimizer steps)
   without a collective; never on cells that print, plot or read a registered loader;
 * the layer hint: a job that fails after ranks > 0 wrote files into their layers says so in one
-  line, naming the files and ``--storage shared``.
+  line, naming the files and ``--storage shared``;
+* the unseen hint: a job that fails on a missing file, or is interrupted, while files were written
+  in the working directory itself names them (ranks > 0 do not see a file created after they
+  looked for it).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -90,6 +95,74 @@ def test_a_failed_job_names_what_other_ranks_wrote_into_their_layers(kernel, cle
     assert hints[0].startswith("taas: rank1 wrote handoff.txt into a layer of its own"), hints
     assert "could not see these files while the job ran" in hints[0] and "--storage shared" in hints[0]
     assert (workdir / "handoff.txt").read_text() == "from rank 1"  # merged back after the job
+
+
+def test_a_file_created_after_rank_1_looked_for_it_gets_the_unseen_hint(kernel, clean, workdir):
+    # A user's report: rank 1 could not see a file created in the working directory while the
+    # job ran.  Its layer remembers that the name was not there when it first looked (rank 0's
+    # file, the notebook's alike): by design of the layer, said in one line when the job fails.
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        import os
+        import torch.distributed as dist
+        seen_before = os.path.exists("made-during-job.txt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open("made-during-job.txt", "w") as f:
+                f.write("from rank 0")
+        dist.barrier()
+        if dist.get_rank() == 1:
+            open("made-during-job.txt").read()
+        """))
+    assert run.error is not None, run.stdout
+    assert "rank1 failed: FileNotFoundError" in plain(run.traceback), run.traceback
+    hints = [line for line in plain(run.stderr).splitlines() if "while the job ran: a rank other than 0" in line]
+    assert len(hints) == 1, run.stderr
+    assert hints[0].startswith("taas: made-during-job.txt was written in the working directory"), hints
+    assert "--storage shared" in hints[0]
+    assert (workdir / "made-during-job.txt").read_text() == "from rank 0"
+    shared = kernel.run(cell("""
+        %%taas --gpus 2 --storage shared
+        import os
+        import torch.distributed as dist
+        seen_before = os.path.exists("made-in-shared.txt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open("made-in-shared.txt", "w") as f:
+                f.write("from rank 0")
+        dist.barrier()
+        print(open("made-in-shared.txt").read())
+        """))
+    assert shared.error is None, shared.traceback  # what the hint offers works
+
+
+def test_interrupting_ranks_that_wait_for_a_file_the_notebook_made_gets_the_unseen_hint(kernel, clean, workdir):
+    # The report as the user hit it: the notebook's side creates a file while rank 1 polls for it.
+    seen = {}
+
+    def on_output(out):
+        text = out.stdout
+        if re.search(r"\[rank(0-1|0,1|1)\] looking", text) and "made" not in seen:  # collapsed or not
+            seen["made"] = (workdir / "from-notebook.flag").write_text("go")
+        if "[rank0] sees it" in text and "interrupted" not in seen:
+            seen["interrupted"] = True  # rank 1 looked before the file came: it never will
+            kernel.km.interrupt_kernel()
+
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        import os, time
+        import torch.distributed as dist
+        deadline = time.monotonic() + 120
+        print("looking", flush=True)
+        while not os.path.exists("from-notebook.flag") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("sees it" if os.path.exists("from-notebook.flag") else "gave up", flush=True)
+        """), on_output=on_output)
+    assert seen.get("interrupted"), run.stdout
+    assert run.error is not None and run.error["ename"] == "KeyboardInterrupt", run.stdout
+    assert "[rank1] sees it" not in run.stdout, run.stdout
+    hints = [line for line in plain(run.stderr).splitlines() if "while the job ran: a rank other than 0" in line]
+    assert len(hints) == 1 and hints[0].startswith("taas: from-notebook.flag was written"), run.stderr
 
 
 def test_a_succeeding_job_gets_no_layer_hint(kernel, clean, workdir):

@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from taas.io import plot
 
@@ -36,6 +37,32 @@ def test_render_is_a_png_and_leaves_pyplot_alone():
     png = plot.render(series, "title")
     assert png.startswith(b"\x89PNG")
     assert ("matplotlib.pyplot" in sys.modules) == had_pyplot
+
+
+@pytest.mark.parametrize("scalars", [1, 2, 3, 5])
+def test_every_label_is_inside_the_picture_and_steps_are_whole(scalars):
+    # One small-valued scalar (a learning rate) had its y tick labels cut off at the left edge.
+    steps = list(range(1, 200))
+    series = {"lr": (steps, [0.000123 * (1 - i / 200) for i in range(199)]),
+              "tokens_per_s": (steps, [12000 + 37.5 * i for i in range(199)]),
+              "loss": ([1, 2], [1.0, 0.5]), "acc": (steps, [i / 200 for i in range(199)]),
+              "grad_norm": (steps, [1e6 / (i + 1) for i in range(199)])}
+    drawn = plot.figure(dict(list(series.items())[:scalars]), "taas metrics (rank 0)")
+    drawn.canvas.draw()
+    width, height = drawn.canvas.get_width_height()
+    def shown(labels, limits, coordinate):  # tick labels past the axis's ends are not drawn
+        return [t for t in labels if min(limits) <= t.get_position()[coordinate] <= max(limits)]
+
+    texts = [drawn._suptitle] + [t for axes in drawn.axes for t in (
+        axes.title, axes.xaxis.label, axes.yaxis.get_offset_text(),
+        *shown(axes.get_xticklabels(), axes.get_xlim(), 0), *shown(axes.get_yticklabels(), axes.get_ylim(), 1))]
+    for text in texts:
+        if text.get_text() and text.get_visible():
+            box = text.get_window_extent()
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, text
+    for axes in drawn.axes:
+        ticks = [t for t in axes.get_xticks() if axes.get_xlim()[0] <= t <= axes.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
 def test_summary_names_each_last_value():

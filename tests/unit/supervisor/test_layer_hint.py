@@ -27,3 +27,34 @@ def test_no_hint_without_a_merge_or_files(tmp_path):
     empty.mkdir()
     assert diagnosis.layer_hint(merge_layers(str(tmp_path), [("rank1", str(empty))], 0,
                                              str(tmp_path / "c"))) is None
+
+
+def test_files_written_in_the_working_directory_during_the_attempt_are_listed(tmp_path):
+    from taas.workdir.merge import Layers, clock_mark
+
+    (tmp_path / "before.txt").write_text("old")
+    (tmp_path / "data").mkdir()
+    # The file system's clock ticks coarsely: "before" is before the mark once it has ticked.
+    before = (tmp_path / "before.txt").stat().st_ctime_ns
+    while clock_mark(str(tmp_path)) <= before:
+        pass
+    layers = Layers(str(tmp_path), active=True)
+    layers.mark()
+    (tmp_path / "ready.flag").write_text("1")  # what rank 0 or the notebook writes meanwhile
+    (tmp_path / "data" / "part-0.bin").write_bytes(b"0")
+    for quiet in (".taas/conflicts/x", "__pycache__/m.pyc", ".ipynb_checkpoints/a.ipynb", "run.ipynb"):
+        (tmp_path / quiet).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / quiet).write_text("")
+    assert layers.written() == ["data/part-0.bin", "ready.flag"]
+    assert Layers(str(tmp_path), active=False).written() == []
+
+
+def test_the_unseen_hint_names_the_files_and_storage_shared():
+    from taas.io.failure import unseen_hint
+
+    assert unseen_hint([]) is None
+    hint = unseen_hint(["ready.flag"])
+    assert hint.startswith("taas: ready.flag was written in the working directory while the job ran: ")
+    assert "after it first looked for it" in hint and "--storage shared" in hint and "\n" not in hint
+    many = unseen_hint([f"f{i}" for i in range(5)])
+    assert many.startswith("taas: f0, f1, f2 and 2 more were written"), many
