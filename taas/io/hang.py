@@ -22,6 +22,7 @@ from typing import Callable
 
 from taas.io import failure
 from taas.io import keys as names
+from taas.io.collapse import tag
 
 NO_ANSWER = "no answer"
 
@@ -52,10 +53,11 @@ class Place:
 
 
 def label(keys: list[str]) -> str:
-    """``rank0,2,3`` for ranks; other keys joined by commas."""
+    """Ranks as the output's tags write them (``rank0,2-3``, ``rank0-31``: collapse.tag);
+    other keys joined by commas."""
     ranks = [names.rank_of(k) for k in keys]
     if keys and None not in ranks:
-        return "rank" + ",".join(str(r) for r in ranks)
+        return "rank" + tag(r for r in ranks if r is not None)
     return ",".join(keys)
 
 

@@ -39,7 +39,7 @@ def test_groups_and_one_line():
               at("rank2", 9, REDUCE)]
     assert groups(places) == [(["rank0", "rank2", "rank3"], "line 9 dist.all_reduce(t)"),
                               (["rank1"], "line 12 dist.barrier()")]
-    assert one_line(places) == "rank0,2,3: line 9 dist.all_reduce(t) | rank1: line 12 dist.barrier()"
+    assert one_line(places) == "rank0,2-3: line 9 dist.all_reduce(t) | rank1: line 12 dist.barrier()"
 
 
 def test_where_outside_the_cell_and_without_answer():
@@ -78,3 +78,8 @@ def test_render_names_the_odd_rank_and_shows_the_stacks():
 def test_render_a_tie_says_so():
     lines = render([at("rank0", 9, REDUCE), at("rank1", 12, BARRIER)])
     assert lines[0] == "The ranks were not all at the same place."
+
+
+def test_a_label_of_many_ranks_reads_like_the_output_tags():
+    assert label([f"rank{r}" for r in range(32)]) == "rank0-31"
+    assert label(["rank0", "rank1", "rank3"]) == "rank0-1,3"
