@@ -249,7 +249,7 @@ class DataPlane:
         for index, item in enumerate(self.loaders):
             for worker in range(item.plan.workers if item.cfg else 0):
                 if keys.loader_key(item.name, worker) == key and self.transport is not None:
-                    self.transport.fail(index, worker, f"loader `{item.name}` failed: {line}")
+                    self.transport.fail(index, worker, line)
                     return True
         return False
 
