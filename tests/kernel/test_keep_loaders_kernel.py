@@ -106,7 +106,8 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(ke
                 assert sorted(i for r in (0, 1) for i in logs[r][1][p]) == list(range(22)), logs
             units = 6 * passes
             summary = [line for line in run.stdout.splitlines() if "units delivered" in line]
-            assert len(summary) == 1 and f"{units}/{units} units delivered to 2 ranks by 2 workers" in summary[0], run.stdout
+            delivered = f"{units}/{units} units delivered to 2 ranks by 2 workers"
+            assert len(summary) == 1 and delivered in summary[0], run.stdout
             shown = " ".join(str(data.get("text/plain", "")) for _, data in run.displays)
             assert f"/{units} units ready" in shown, shown
             # The cell's loader workers and its shared memory end with it; the ranks stay and
@@ -165,7 +166,8 @@ def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, cle
         assert wait_until_gone(_loader_workers(kernel)) == []
         assert [p.pid for p in _ranks(kernel)] == pids
         got = [line for line in ranks.per_rank(run.stdout).splitlines() if " GOT " in line]
-        assert sorted(line.split(" GOT ")[1] for line in got) == [f"LoaderFailed {expected}"] * 2, (run.stdout, run.stderr, tb)
+        got = sorted(line.split(" GOT ")[1] for line in got)
+        assert got == [f"LoaderFailed {expected}"] * 2, (run.stdout, run.stderr, tb)
         # Their state is there.
         assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
         # And a healthy loader in the next cell.
