@@ -278,13 +278,19 @@ class LoaderView:
         self._length = cfg["length"]
         self.batch_size = cfg.get("batch_size")
         self.dataset = _DatasetInfo(cfg.get("dataset_len"), cfg.get("dataset_type", "dataset"))
-        self._endpoint = attach(cfg["address"])
         self._rx = {}
         self._channel = {}
-        for worker in self._plan.workers_of(rank):
-            channel = self._plan.channel(worker, rank)
-            self._channel[worker] = channel
-            self._rx[worker] = self._endpoint.receiver(channel)  # pinning is the view's (above)
+        try:
+            self._endpoint = attach(cfg["address"])
+            for worker in self._plan.workers_of(rank):
+                channel = self._plan.channel(worker, rank)
+                self._channel[worker] = channel
+                self._rx[worker] = self._endpoint.receiver(channel)  # pinning is the view's (above)
+        except FileNotFoundError:
+            # Only a kept cell's loader job can end before its ranks attach (every worker
+            # failed, and its clean-up removed the channels): the kernel shows why.
+            raise LoaderFailed(f"loader `{self.name}`: its loader workers ended before rank {rank} "
+                               "could read from them") from None
         self._next = rank  # the next unit this rank takes
         self._pass = 0  # the pass the next `for` iterates
         self._starts = {0: 0}  # pass -> its first unit

@@ -22,19 +22,24 @@ from tests.support.kernel_driver import (Kernel, cell, plain, process_name, shm_
 pytestmark = pytest.mark.kernel
 
 SETUP = """
-import os
+import os, time
 import torch
 import taas
 from torch.utils.data import DataLoader, Dataset
 
 class Own(Dataset):
-    '''Each sample is its own index; sample `fail` raises (how='raise') or kills its worker.'''
-    def __init__(self, n, fail=None, how=None):
-        self.n, self.fail, self.how = n, fail, how
+    '''Each sample is its own index; sample `fail` raises (how='raise') or kills its worker,
+    once a file per rank is in `after` (the ranks are in the cell's code).'''
+    def __init__(self, n, fail=None, how=None, after=None):
+        self.n, self.fail, self.how, self.after = n, fail, how, after
     def __len__(self):
         return self.n
     def __getitem__(self, i):
         if i == self.fail:
+            for _ in range(3000):
+                if self.after is None or len(os.listdir(self.after)) >= 2:
+                    break
+                time.sleep(0.01)
             if self.how == "raise":
                 raise ValueError(f"sample {i} is corrupt")
             os.kill(os.getpid(), 9)
@@ -136,18 +141,20 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(ke
     ("raise", "loader:bad_raise:0 failed: ValueError: sample 13 is corrupt"),
     ("kill", "loader:bad_kill:0 was killed by SIGKILL"),
 ])
-def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, clean, how, expected):
+def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, clean, how, expected, tmp_path):
     name = f"bad_{how}"
-    _ok(kernel.run(f"{name} = DataLoader(Own(40, fail=13, how='{how}'), batch_size=2)\ntaas.register({name})"))
+    _ok(kernel.run(f"{name} = DataLoader(Own(40, fail=13, how='{how}', after={str(tmp_path)!r}), batch_size=2)\n"
+                   f"taas.register({name})"))
     try:
         _ok(kernel.run("%%taas --gpus 2 --keep\nimport os\npid = os.getpid()\nkept = 'yes'"))
         pids = [p.pid for p in _ranks(kernel)]
         # One worker: it has its first slice ready before it fails (with two, the other one's
         # might not be, and the ranks would get the failure while they wait for it, before the
-        # cell's code runs).
+        # cell's code runs); it fails once both ranks are in the cell's code.
         run = kernel.run(cell(f"""
             %%taas --cpus 1
             import time
+            open(os.path.join({str(tmp_path)!r}, f"rank{{os.environ['RANK']}}"), "w").close()
             try:
                 for b in {name}:
                     time.sleep(0.01)
