@@ -179,7 +179,7 @@ def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, cle
         assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
         # And a healthy loader in the next cell.
         after = _ok(kernel.run("%%taas\nprint('next', sum(len(b) for b in loader))"))
-        assert sum(int(n) for n in re.findall(r"next (\d+)", after.stdout)) == 22, after.stdout
+        assert sum(int(n) for n in re.findall(r"next (\d+)", ranks.per_rank(after.stdout))) == 22, after.stdout
     finally:
         kernel.run(f"taas.unregister({name})")
         _ok(kernel.run("%taas release"))
@@ -211,3 +211,35 @@ def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_
                  what="the cell's shared memory removed")
     finally:
         k.shutdown()
+
+
+def test_an_interrupt_of_a_kept_cell_reading_a_loader_keeps_the_ranks_and_ends_the_workers(kernel, clean):
+    _ok(kernel.run("crawl = DataLoader(Own(2000), batch_size=1)\ntaas.register(crawl)"))
+    try:
+        _ok(kernel.run("%%taas --gpus 2 --keep\nimport os, time\npid = os.getpid()"))
+        pids = [p.pid for p in _ranks(kernel)]
+        seen = {}
+
+        def on_output(out):
+            if "[rank1] reading" in ranks.per_rank(out.stdout) and "at" not in seen:
+                seen["at"] = True
+                kernel.km.interrupt_kernel()
+
+        run = kernel.run(cell("""
+            %%taas --cpus 2 --units 1000
+            for k, b in enumerate(crawl):
+                if k == 2:
+                    print("reading", flush=True)
+                time.sleep(0.05)
+            """), on_output=on_output)
+        assert "at" in seen
+        assert run.error is not None and run.error["ename"] == "KeyboardInterrupt", run.stderr
+        assert "the kept ranks and their state stay" in plain(run.traceback)
+        assert wait_until_gone(_loader_workers(kernel)) == []
+        assert [p.pid for p in _ranks(kernel)] == pids
+        after = _ok(kernel.run("%%taas --units 8\nprint('next', sum(len(b) for b in crawl), os.getpid() == pid)"))
+        assert sorted(re.findall(r"next (\d+) True", ranks.per_rank(after.stdout))) == ["4", "4"], after.stdout
+    finally:
+        kernel.run("taas.unregister(crawl)")
+        _ok(kernel.run("%taas release"))
+    assert wait_until_gone(pids) == []
