@@ -237,11 +237,7 @@ class Session:
         if kept is not None:  # kept ranks: only what they lack or the notebook changed
             values = {k: v for k, v in values.items() if not kept.holds(k, v)}
         rebound = rebound_loaders(namespace, values)
-        plane = self._data_plane(values, options, world, device)
-        if plane is not None and keep:
-            raise DirectiveError(
-                "registered loaders on kept ranks (--keep) are not supported yet; run this cell "
-                "with --fresh and without --keep")
+        plane = self._data_plane(values, options, world, device)  # on kept ranks: this cell's loader job
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]
@@ -348,6 +344,10 @@ class Session:
             alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
             if alone:
                 write_note(sink, alone, WARN)
+            if job.data is not None:  # the loaders' summary, as after a one-cell job
+                stats.data = job.data.summary()
+                for line in stats.data:
+                    write_note(sink, line, INFO)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
             channel = big.channel or (run.kept.channel if run.kept is not None else None)

@@ -10,7 +10,8 @@ entry="taas.data.loader_worker:main", args=(settings,))``), so it dies with the 
 exception is written as the process's error report (its traceback is what the notebook shows)
 and the worker exits 1, which stops the job.  SIGTERM (the job is being stopped) raises
 :class:`LoaderStopped` where the loader is, so a hung loader's report shows where it hung.
-A watchdog thread ends the worker as soon as every rank it feeds has gone.
+A watchdog thread ends the worker as soon as every rank it feeds has gone.  In a kept cell
+(``TAAS_KEEP=1``) a worker that sent all its units waits for that too.
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ def _run(cfg: dict, state: dict) -> int:
             break
     control.set_state(DONE)
     progress.done(produced)
+    if os.environ.get("TAAS_KEEP") == "1":
+        # A kept cell's loader workers are a job of their own, whose clean-up hooks (this
+        # loader's shared memory unlinked) run once all its processes ended: stay until the
+        # ranks closed their views, which they may not even have opened yet.
+        while not all(sender.gone for sender in senders.values()):
+            time.sleep(0.05)
     return 0
 
 

@@ -13,6 +13,7 @@
                                   ranks' figures -> the summary (messages.py: typed; a line
                                   it cannot read is logged and ignored)
     .summary()                    one line per loader after the job
+    .fail(key, line)              a loader worker failed: ranks reading it raise it (kept ranks)
     .note_timeout(), .hang(...)   at --timeout: was a loader worker the culprit?
     .close()                      the transport releases everything of the job
 """
@@ -240,6 +241,17 @@ class DataPlane:
                     busy=status.busy_s, prefetched=status.prefetched, waiting=waiting.get(worker),
                 ))
         return out
+
+    def fail(self, key: str, line: str) -> bool:
+        """Job process ``key`` failed with ``line`` (its one-line summary): if it is a loader
+        worker of this plane, the ranks reading that loader raise it in their cell
+        (:meth:`Transport.fail`; kept ranks are not stopped for it).  Whether it was one."""
+        for index, item in enumerate(self.loaders):
+            for worker in range(item.plan.workers if item.cfg else 0):
+                if keys.loader_key(item.name, worker) == key and self.transport is not None:
+                    self.transport.fail(index, worker, line)
+                    return True
+        return False
 
     def note_timeout(self) -> None:
         """The job hit --timeout: remember what the loader workers were doing, before the stop."""

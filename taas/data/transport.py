@@ -105,6 +105,11 @@ class Receiver(abc.ABC):
     def close(self) -> None:
         pass
 
+    def release(self) -> None:
+        """Free what the receiver holds (fds, mappings), after :meth:`close` and once no thread
+        is inside :meth:`peek` or :meth:`take` any more (a kept rank's view at its cell's end;
+        a process that exits needs none of it)."""
+
 
 # -- the transport ---------------------------------------------------------------------------
 STARTING, LOADING, BLOCKED, DONE = range(4)  # a loader worker's state
@@ -168,6 +173,12 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release everything of the job (the job is over).  Idempotent."""
 
+    def fail(self, loader: int, worker: int, text: str) -> None:
+        """Loader ``loader``'s worker ``worker`` failed (``text``: one line): ranks that read
+        the loader see it (:meth:`Endpoint.failure`) and raise it in their cell.  Kept ranks
+        need it, since a cell's failure must not stop them; one-cell jobs are stopped instead.
+        Default: not told (the ranks then wait for units until the cell is stopped)."""
+
     def processes(self, env: dict) -> list:
         """Job processes the transport itself needs (``ProcessSpec``s, started with the loader
         workers once every loader's channels are made): none on one machine; the TCP transport's
@@ -224,6 +235,11 @@ class Endpoint(abc.ABC):
     @abc.abstractmethod
     def prefetched(self, worker: int) -> bool:
         """Worker ``worker`` has its first slice ready."""
+
+    def failure(self) -> str | None:
+        """The line the kernel gave when one of this loader's workers failed
+        (:meth:`Transport.fail`), or None."""
+        return None
 
     def close(self) -> None:
         pass

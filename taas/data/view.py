@@ -19,7 +19,13 @@ it; torch's pinned cache records the copy's stream and keeps the buffer until it
 (``benchmarks/gpu.py`` measures both.)  CPU ranks get the blocks' tensors as before.
 
 :func:`close_views` (at the rank's exit) tells the workers this rank is gone and sends the
-figures the notebook's summary line shows.
+figures the notebook's summary line shows.  A kept rank (``--keep``) gets fresh views for each
+cell that reads a registered loader, from that cell's loader workers, and closes them at the
+cell's end with ``release=True``: its reader threads end and the channels' fds and mappings
+go (the rank lives on); the cell's names for them are spent views that say so when iterated.
+A loader worker that fails in a kept cell does not stop the ranks: the kernel marks the failure
+(:meth:`taas.data.transport.Transport.fail`) and the view raises :class:`LoaderFailed` with
+its line in the cell's code, at the next unit the cell asks for.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ from typing import Callable
 from taas.data import messages
 from taas.data.plan import Plan, share
 from taas.data.transport import PASS_END, attach
+
+class LoaderFailed(RuntimeError):
+    """A loader worker of this cell failed (kept ranks: the kernel's line says which and why;
+    its traceback is shown in the notebook)."""
+
 
 _views: list["LoaderView"] = []
 _by_name: dict[str, "LoaderView"] = {}
@@ -65,14 +76,18 @@ def install_views(loaders: dict, namespace: dict) -> None:
         messages.send(messages.Started(loader=view.name, rank=rank, prefetch_s=waited))
 
 
-def close_views() -> None:
-    """This rank is done with its views (whatever happened): stats out, channels closed."""
+def close_views(release: bool = False) -> None:
+    """This rank is done with its views (whatever happened): stats out, channels closed.
+    ``release``: the rank lives on (kept ranks, at a cell's end): free the views' fds and
+    mappings too, once their reader threads are out."""
     _by_name.clear()
     while _views:
         view = _views.pop()
         try:
             view._close()
-        except Exception:  # at exit, best effort: the transport's resources die with the job anyway
+            if release:
+                view._release()
+        except Exception:  # best effort: the transport's resources die with the job (or the rank)
             pass
 
 
@@ -177,9 +192,30 @@ class _Reader:
         self.units = 0
         self.cond = threading.Condition()
         self.stopped = False
+        self.exited = False  # the thread is out of the receivers (see after())
+        self._then: Callable[[], None] | None = None
         threading.Thread(target=self._run, name=f"taas-view-{view.name}", daemon=True).start()
 
+    def after(self, then: Callable[[], None]) -> None:
+        """Run ``then`` once the thread has left the receivers: now, or as it exits (it does
+        within half a second of :meth:`stop`, as the receivers were closed)."""
+        with self.cond:
+            if not self.exited:
+                self._then = then
+                return
+        then()
+
     def _run(self) -> None:
+        try:
+            self._read()
+        finally:
+            with self.cond:
+                self.exited = True
+                then, self._then = self._then, None
+            if then is not None:
+                then()
+
+    def _read(self) -> None:
         view = self.view
         plan = view._plan
         u = view.rank
@@ -211,10 +247,13 @@ class _Reader:
             self.units += item[0] == "unit"
             self.cond.notify_all()
 
-    def first(self, wait: bool = False):
+    def first(self, wait: bool = False, check: Callable[[], None] = lambda: None):
+        """The next item; ``wait``: until there is one, calling ``check`` (which may raise)
+        every tenth of a second meanwhile."""
         with self.cond:
             while wait and not self.items:
-                self.cond.wait()
+                check()
+                self.cond.wait(0.1)
             return self.items[0] if self.items else None
 
     def pop(self) -> None:
@@ -239,13 +278,19 @@ class LoaderView:
         self._length = cfg["length"]
         self.batch_size = cfg.get("batch_size")
         self.dataset = _DatasetInfo(cfg.get("dataset_len"), cfg.get("dataset_type", "dataset"))
-        self._endpoint = attach(cfg["address"])
         self._rx = {}
         self._channel = {}
-        for worker in self._plan.workers_of(rank):
-            channel = self._plan.channel(worker, rank)
-            self._channel[worker] = channel
-            self._rx[worker] = self._endpoint.receiver(channel)  # pinning is the view's (above)
+        try:
+            self._endpoint = attach(cfg["address"])
+            for worker in self._plan.workers_of(rank):
+                channel = self._plan.channel(worker, rank)
+                self._channel[worker] = channel
+                self._rx[worker] = self._endpoint.receiver(channel)  # pinning is the view's (above)
+        except FileNotFoundError:
+            # Only a kept cell's loader job can end before its ranks attach (every worker
+            # failed, and its clean-up removed the channels): the kernel shows why.
+            raise LoaderFailed(f"loader `{self.name}`: its loader workers ended before rank {rank} "
+                               "could read from them") from None
         self._next = rank  # the next unit this rank takes
         self._pass = 0  # the pass the next `for` iterates
         self._starts = {0: 0}  # pass -> its first unit
@@ -253,11 +298,23 @@ class LoaderView:
         self._wait = 0.0
         self._started = time.perf_counter()
         self._closed = False
+        self._spent = False  # closed at a kept cell's end: iterating it is an error
         self._reader = _Reader(self)
 
     # -- the loader interface --------------------------------------------------------------
     def __iter__(self):
+        if self._spent:
+            raise RuntimeError(
+                f"`{self.name}` is the view of a registered loader from an earlier cell on these kept "
+                "ranks, and its units were that cell's: read the loader in this cell's own code so "
+                "that this cell gets its units")
         return self._iterate()
+
+    def _check(self) -> None:
+        """A worker of this cell's loader failed (kept ranks): raise it here, in the cell."""
+        failed = self._endpoint.failure()
+        if failed is not None:
+            raise LoaderFailed(failed)
 
     def _iterate(self):
         plan, p = self._plan, self._pass
@@ -268,13 +325,16 @@ class LoaderView:
                 self._pass = p + 1
                 self._starts.setdefault(p + 1, min(u, plan.units))
                 return
+            self._check()
             item = self._reader.first()
             if item is None:  # not read yet: this rank waits for data
                 channel = self._channel[u % plan.workers]
                 waited = time.perf_counter()
                 self._endpoint.want(channel, u)
-                item = self._reader.first(wait=True)
-                self._endpoint.want(channel, None)
+                try:
+                    item = self._reader.first(wait=True, check=self._check)
+                finally:
+                    self._endpoint.want(channel, None)
                 self._wait += time.perf_counter() - waited
             kind, a, b, nbytes = item
             if kind == "end":  # pass a ended before unit b
@@ -315,6 +375,7 @@ class LoaderView:
     def _await_prefetch(self) -> None:
         endpoint, workers = self._endpoint, range(self._plan.workers)
         while not all(endpoint.prefetched(w) for w in workers):
+            self._check()
             time.sleep(0.005)
 
     def _close(self) -> None:
@@ -327,3 +388,17 @@ class LoaderView:
             rx.close()
         messages.send(messages.Stats(loader=self.name, rank=self.rank, units=self._units,
                                      bytes=self._bytes, wait_s=self._wait, elapsed_s=elapsed))
+
+    def _release(self) -> None:
+        """After :meth:`_close`, in a rank that lives on: the receivers' fds and mappings and
+        the endpoint go once the reader thread is out of them."""
+        self._spent = True
+        receivers, endpoint = list(self._rx.values()), self._endpoint
+        self._rx = {}
+
+        def release() -> None:
+            for rx in receivers:
+                rx.release()
+            endpoint.close()
+
+        self._reader.after(release)

@@ -50,6 +50,10 @@ handle open between cells and, per cell, calls :meth:`JobHandle.next_cell` (the 
 and result file names, fresh per cell) and, on Ctrl-C, :meth:`JobHandle.interrupt` (SIGINT to
 the ranks' main threads: KeyboardInterrupt in the cell's code).  The ranks end with
 :meth:`JobHandle.stop`, as any job's; a launcher without kept ranks refuses ``--keep``.
+A kept cell that reads registered loaders starts its loader workers as a job of their own
+while the kept job lives: the launcher keeps each job's events to that job's handle (the
+local one routes its start process's messages per job), and :meth:`JobHandle.fileno` lets
+the caller wait on both handles at once.
 """
 
 from __future__ import annotations
@@ -230,6 +234,11 @@ class JobHandle(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the attempt's resources (pipes, store, files).  Calls ``stop()`` first."""
+
+    def fileno(self) -> int | None:
+        """Optional: a descriptor that turns readable when :meth:`events` may have something
+        new, so that a caller can wait on several handles at once; None: there is none."""
+        return None
 
     # -- kept ranks (optional: Launcher.keeps_ranks) -------------------------------------------
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:

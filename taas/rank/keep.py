@@ -5,6 +5,12 @@ same namespace, on the same process group, until released.
         NextCell(payload, result) ──> unship the names sent ──> run ──> done | done(failed)
         Release ──> leave (exit 0)
 
+A cell that reads registered loaders gets this cell's views of them before it runs (waiting
+for the first slice, as a one-cell job's rank does) and closes them, releasing what they hold,
+before ``done``: each cell's loader workers are a job of their own that ends with the cell
+(:mod:`taas.supervisor.celldata`).  A loader worker's failure reaches the cell as the view's
+:class:`taas.data.view.LoaderFailed`, a cell exception like any other.
+
 A cell's exception (a typo on every rank, a KeyboardInterrupt the kernel delivered as SIGINT)
 writes the rank's failure report as a one-cell job does, then says ``done`` with
 ``failed=true`` and waits for the next cell: the state stays.  The kernel removes the reports
@@ -39,6 +45,8 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
     """Run one cell on this kept rank and say ``done`` however it ended (but sys.exit, which
     ends the rank).  ``result``: where rank 0 writes its results (None: the job's RESULT)."""
     try:
+        _open_views(payload, namespace)  # waits for the first slice, as a one-cell rank does
+        heartbeat.running()
         out = run_cell(payload, namespace)
         comm.report()
         if rank == 0 and payload.results:
@@ -57,6 +65,7 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
     except BaseException as exc:  # the user's error, or the kernel's interrupt (SIGINT)
         report.write_error(job_dir, key, exc, 1)
         failed = True
+    _close_views()  # their figures go out before "done"; the cell's loader workers end now
     heartbeat.stop()  # an idle kept rank sends nothing until its next cell
     sys.stdout.flush()
     sys.stderr.flush()
@@ -81,7 +90,6 @@ def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict
             heartbeat.start(payload.filename, payload.device)  # the panel, as in a one-cell job
             metrics.new_cell()
             namespace = _merge(namespace, unship(payload.names, resolve=resolve))
-            heartbeat.running()
         except KeyboardInterrupt as exc:
             heartbeat.stop()
             report.write_error(job_dir, key, exc, 1)
@@ -89,6 +97,20 @@ def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict
             continue
         log.debug("rank %d: kept cell %s", rank, payload.filename)
         run(job_dir, key, rank, payload, namespace, run_cell, message.result)
+
+
+def _open_views(payload: Payload, namespace: dict) -> None:
+    """This cell's views of the registered loaders it reads (none: nothing to do)."""
+    if payload.loaders:
+        from taas.data.view import install_views
+
+        install_views(payload.loaders, namespace)
+
+
+def _close_views() -> None:
+    views = sys.modules.get("taas.data.view")
+    if views is not None:
+        views.close_views(release=True)
 
 
 def _merge(kept: dict, sent: dict) -> dict:

@@ -72,13 +72,13 @@ def main(spec) -> int:
             __name__="__main__", __builtins__=builtins, display=display.display
         )
         namespace.setdefault("get_ipython", crossing.get_ipython)
-        _install_data_views(payload, namespace)
-        heartbeat.running()
-        if inbox is not None:  # --keep: this cell, then the next ones, until released
+        if inbox is not None:  # --keep: this cell, then the next ones, until released (views per cell)
             keep.run(job_dir, key, rank, payload, namespace, _run_cell, None)
             code = keep.serve(job_dir, key, rank, inbox, namespace, _run_cell, _loader_view)
             _teardown()
             return code
+        _install_data_views(payload, namespace)
+        heartbeat.running()
         out = _run_cell(payload, namespace)
         comm.report()
         log.debug("cell done on rank %d", rank)

@@ -15,6 +15,12 @@ A cell's run ends one of three ways:
   :data:`RETURN_WAIT` s, a process ended, an interrupt inside C code, ``--timeout``): the
   hang doctor's view, everything stopped, and one line that the kept state is lost
   (:attr:`KeptCell.kept` is None afterwards).
+
+A cell that reads registered loaders also runs its loader workers, as a job of their own that
+ends with the cell (:mod:`taas.supervisor.celldata`).  A loader worker that fails does not stop
+the kept ranks: its failure is marked for the ranks' views, which raise it in the cell's code;
+once every rank came back, the loader's traceback is shown as the root cause with one line
+saying the kept ranks and their state stay.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from taas.job.api import Job
 from taas.launch.api import RESULT, LaunchError
 from taas.shield import deferred_interrupt
 from taas.supervisor import diagnosis, events
+from taas.supervisor.celldata import Both, CellData
 from taas.supervisor.kept import Kept
 from taas.supervisor.machine import Ev
 from taas.supervisor.supervisor import POLL, STOP_GRACE, Outcome, Supervisor, Watch
@@ -38,6 +45,7 @@ from taas.workdir import merge
 RETURN_WAIT = 2.0  # seconds the other ranks get to come back after one failed or an interrupt
 LOST = ("taas: the kept ranks could not all come back, so they were ended and their state is "
         "lost; the next cell starts fresh ranks")
+STAY = "taas: the kept ranks came back from the loader's failure; they and their state stay"
 
 
 class KeptCell:
@@ -58,37 +66,65 @@ class KeptCell:
         return self.supervisor.outcome
 
     def run(self) -> Outcome:
-        sup, job = self.supervisor, self.job
-        result = f"result-{job.job_id}.pkl"
+        data = CellData(self.launcher, self.job) if self.job.data is not None else None
         try:
-            if self.kept is None:
-                layers = merge.Layers(job.cwd, job.policy.storage == "layer" and job.world.size > 1)
-                layers.mark()
-                handle = self.launcher.start(sup._spec(0))
-                self.kept = Kept(self.launcher, handle, job.world, job.job_id, layers, self.limit)
-                result_name = None
-            else:
-                payload = f"payload-{job.job_id}.pkl"
-                data = pickle.dumps(dataclasses.replace(job.payload, loaders={}),
-                                    protocol=pickle.HIGHEST_PROTOCOL)
-                with deferred_interrupt():  # every rank gets the cell, or none does
-                    self.kept.handle.next_cell({payload: data}, payload, result)
-                result_name = result
+            return self._run(data)
+        finally:
+            if data is not None:  # this cell's loader workers end with it; the ranks stay
+                data.finish(self.sink)
+
+    def _start(self, data: CellData | None) -> str | None:
+        """Start the ranks (the first cell) or send them the cell, and this cell's loader
+        workers; the name rank 0 writes its results to (None: the job's RESULT)."""
+        sup, job = self.supervisor, self.job
+        if self.kept is None:
+            spec = sup._spec(0)  # with loaders: the plane opened, the ranks' views in the payload
+            if data is not None:  # the loader workers are a job of their own (celldata.py)
+                data.opened = True
+                data.start([p for p in spec.processes if p.rank is None])
+                spec = dataclasses.replace(spec, processes=tuple(p for p in spec.processes if p.rank is not None),
+                                           cleanups=job.cleanups)
+            layers = merge.Layers(job.cwd, job.policy.storage == "layer" and job.world.size > 1)
+            layers.mark()
+            handle = self.launcher.start(spec)
+            self.kept = Kept(self.launcher, handle, job.world, job.job_id, layers, self.limit)
+            return None
+        settings = data.open() if data is not None else {}
+        if data is not None:
+            data.start()
+        payload = f"payload-{job.job_id}.pkl"
+        blob = pickle.dumps(dataclasses.replace(job.payload, loaders=settings),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        result = f"result-{job.job_id}.pkl"
+        with deferred_interrupt():  # every rank gets the cell, or none does
+            self.kept.handle.next_cell({payload: blob}, payload, result)
+        return result
+
+    def _run(self, data: CellData | None) -> Outcome:
+        # Long on purpose: start, watch and the three ways a kept cell ends, in order.
+        sup, job = self.supervisor, self.job
+        try:
+            result_name = self._start(data)
         except LaunchError:
             sup.transition(Ev.LAUNCH_FAILED)
             self._lose(None)
             raise
         sup.transition(Ev.STARTED)
         kept = self.kept
+        assert kept is not None
         first = kept.cells == 0
         kept.cells += 1
         watch = None
+        handle = kept.handle if data is None or data.handle is None else Both(kept.handle, data.handle)
         try:
-            watch = CellWatch(sup, kept.handle, time.monotonic(), up=not first)
+            watch = CellWatch(sup, handle, time.monotonic(), up=not first)
             failed = watch.run()
-        except BaseException:
+        except BaseException as exc:
             if watch is None or watch.lost:
                 self._lose(self.sink)
+            hung = self._hung(handle) if data is not None and isinstance(exc, JobFailed) else None
+            if hung is not None:
+                raise hung from None
             raise
         finally:
             kept.last_used = time.monotonic()
@@ -100,6 +136,13 @@ class KeptCell:
         if job.policy.results:
             sup.outcome.result = kept.handle.fetch("rank0", result_name or RESULT)
         return sup.outcome
+
+    def _hung(self, handle) -> JobFailed | None:
+        """Past --timeout: a loader worker named as the culprit, as a one-cell job does."""
+        if self.machine.cause is not Ev.TIMEOUT:
+            return None
+        return self.job.data.hang(self.job.policy.timeout, self.supervisor.name_for,
+                                  lambda key: diagnosis.read_report(handle, key))
 
     def _lose(self, sink) -> None:
         if self.kept is not None:
@@ -121,6 +164,10 @@ class CellWatch(Watch):
             self.up, self.up_at = set(self.ranks), time.monotonic()
         self.failed: dict[str, float] = {}  # rank -> when it said its cell raised
         self.lost = False
+        # This cell's loader workers (a job of their own, celldata.py): their ends, and the
+        # first that failed, which the ranks' views raise in the cell (plane.fail).
+        self.loader_ends: dict[str, failure.ProcessEnd] = {}
+        self.loader_failed: failure.ProcessEnd | None = None
 
     def _on_message(self, key: str, message: events.Message) -> None:
         if isinstance(message, events.Done) and message.failed:
@@ -128,9 +175,25 @@ class CellWatch(Watch):
         super()._on_message(key, message)
 
     def _exited(self, event) -> None:  # any end of a kept process loses the state
+        if isinstance(self.handle, Both) and self.handle.is_loader_job(event.key):
+            self._loader_exited(event)
+            return
         self.ends[event.key] = failure.ProcessEnd(event.key, event.returncode, time.time(),
                                                   stopped=self.lost)
         self.lost = True
+
+    def _loader_exited(self, event) -> None:
+        """A loader worker (or relay) of this cell ended: done, or failed -- then the ranks'
+        views raise its line in the cell, and the kept ranks come back from it."""
+        end = failure.ProcessEnd(event.key, event.returncode, time.time(),
+                                 stopped=self.lost or self.stopping)
+        self.loader_ends[event.key] = end
+        self.board.exited(event.key, event.returncode, stopped=end.stopped)
+        if event.returncode == 0 or end.stopped or self.loader_failed is not None:
+            return
+        end.record = diagnosis.read_report(self.handle, event.key)
+        self.loader_failed = end
+        self.job.data.fail(event.key, failure.summary(end))
 
     def _back(self) -> bool:
         return set(self.ranks) <= self.done and not self.ends
@@ -158,9 +221,20 @@ class CellWatch(Watch):
         finally:
             self.board.close()  # the panel gives way to its summary line, however the cell ends
         self.router.close()
+        if self.loader_failed is not None:
+            return self._came_back_from_loader(self.loader_failed)
         if not self.failed:
             return None
         return self._came_back_failed()
+
+    def _came_back_from_loader(self, root: failure.ProcessEnd) -> JobFailed:
+        """A loader worker failed and every rank came back: its traceback as the root cause,
+        what each rank did, and that the kept ranks stay."""
+        lines = failure.render(root, [], self.supervisor.name_for)
+        for key in self.ranks:
+            lines.append(f"{key}: its cell raised the loader's failure" if key in self.failed
+                         else f"{key}: ran its cell to the end")
+        return JobFailed(failure.summary(root), lines + [STAY], root)
 
     def _came_back_failed(self) -> JobFailed:
         """The failure of a cell every rank came back from.  Ranks that failed alike (a typo on
@@ -193,8 +267,8 @@ class CellWatch(Watch):
         self.router.replay_hidden("--- recent output of {key} ---")
         self.router.close()
         self.supervisor.transition(Ev.STOPPED)
-        ends = [self.ends.get(k) or failure.ProcessEnd(k, None, time.time(), stopped=True)
-                for k in self.keys]
+        ends = [self.ends.get(k) or self.loader_ends.get(k)
+                or failure.ProcessEnd(k, None, time.time(), stopped=True) for k in self.keys]
         for end in ends:
             if end.key in self.failed:
                 end.seen_at = self.failed[end.key]

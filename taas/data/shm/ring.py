@@ -271,6 +271,8 @@ class ShmReceiver(Receiver):
                 log.warning("taas data plane: a rank ignored a message (%d, %d, %d, %d) on channel %d",
                             *msg, self.ch)
                 continue
+            if self._closed:  # the view is done (a kept rank's cell ended): nothing more comes
+                raise EOFError(f"channel {self.ch} was closed")
             self._back(None)  # retry what the producer had no room for
             select.select([self.data_fd], [], [], 0.5)
 
@@ -360,8 +362,20 @@ class ShmReceiver(Receiver):
             self._closed = True
         try:
             os.write(self.space_fd, BACK.pack(TAKEN, 0))
-        except BlockingIOError:
+        except OSError:  # full (the producer drains it when it waits), or released already
             pass
+
+    def release(self) -> None:
+        """After :meth:`close`, with no reader left inside: the FIFOs closed, the blocks
+        unmapped (a block the rank's tensors still view goes when they do)."""
+        with self._lock:
+            self._closed = True
+            fds, self.data_fd, self.space_fd = (self.data_fd, self.space_fd), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+        while self.blocks:
+            close_quietly(self.blocks.popitem()[1])
 
 
 def _itemsize(dtype) -> int:

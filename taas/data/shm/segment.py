@@ -3,7 +3,9 @@
 Per loader per job, ``/dev/shm/taas-<job>-<loader>`` (created by the kernel, mode 0600), in u64
 words::
 
-    0           global    magic, version, workers, channels, bound
+    0           global    magic, version, workers, channels, bound, failed worker + 1 and
+                          its failure's length (the kernel's, on kept ranks), from byte 64
+                          the failure's text (UTF-8)
     512         workers   64 bytes each: produced, state, unit, since (f64), prefetched
     ...         channels  128 bytes each: producer line (sent msgs, sent bytes, units, waiting),
                           consumer line (taken msgs, taken bytes, pid, closed, wanted unit + 1,
@@ -37,6 +39,9 @@ VERSION = 2
 GLOBAL_BYTES, WORKER_BYTES, CHANNEL_BYTES = 512, 64, 128
 # worker words (W_STATE: taas.data.transport.STARTING ... DONE)
 W_PRODUCED, W_STATE, W_UNIT, W_SINCE, W_PREFETCHED = range(5)
+# global words after the five of the layout: a failed worker (+ 1, 0: none), its text's length
+G_FAILED, G_FAILURE_LEN = 5, 6
+FAILURE_AT = 64  # bytes: where the failure's text starts in the global area (up to GLOBAL_BYTES)
 # channel words: producer line, consumer line (its own cache line)
 C_SENT_MSGS, C_SENT_BYTES, C_UNITS, C_WAITING = 0, 1, 2, 3
 C_TAKEN_MSGS, C_TAKEN_BYTES, C_PID, C_CLOSED, C_WANT, C_WANT_SINCE = 8, 9, 10, 11, 12, 13
@@ -182,6 +187,22 @@ class Segment:
         else:
             self.d[self._c(channel, C_WANT_SINCE)] = time.monotonic()
             self.q[self._c(channel, C_WANT)] = unit + 1
+
+    def set_failure(self, worker: int, text: str) -> None:
+        """Loader worker ``worker`` failed (the kernel says so, for kept ranks' views): its
+        text first, then the flag, which readers check."""
+        data = text.encode()[:GLOBAL_BYTES - FAILURE_AT]
+        self.mm[FAILURE_AT:FAILURE_AT + len(data)] = data
+        self.q[G_FAILURE_LEN] = len(data)
+        self.q[G_FAILED] = worker + 1
+
+    def failure(self) -> tuple[int, str] | None:
+        """(worker, text) of this loader's failure, or None."""
+        failed = self.q[G_FAILED]
+        if not failed:
+            return None
+        size = min(self.q[G_FAILURE_LEN], GLOBAL_BYTES - FAILURE_AT)
+        return failed - 1, bytes(self.mm[FAILURE_AT:FAILURE_AT + size]).decode(errors="replace")
 
     def close(self) -> None:
         self.q.release()

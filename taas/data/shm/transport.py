@@ -59,6 +59,11 @@ class ShmTransport(Transport):
                 wanted[channel] = (want - 1, now - seg.want_since(channel))
         return ControlState(workers, wanted)
 
+    def fail(self, loader: int, worker: int, text: str) -> None:
+        header = self.headers.get(loader)
+        if header is not None:
+            header.set_failure(worker, text)
+
     def close(self) -> None:
         while self._fds:
             os.close(self._fds.pop())
@@ -121,3 +126,14 @@ class ShmEndpoint(Endpoint):
 
     def prefetched(self, worker: int) -> bool:
         return bool(self.seg.worker(worker, segment.W_PREFETCHED))
+
+    def failure(self) -> str | None:
+        failed = self.seg.failure()
+        return None if failed is None else failed[1]
+
+    def close(self) -> None:
+        """Unmap the header (its receivers released first: a kept rank's view, per cell)."""
+        try:
+            self.seg.close()
+        except BufferError:  # still viewed somewhere: it goes with the process
+            pass

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from taas.errors import LaunchError
 from taas.launch.api import Event, JobHandle, OutputChunk, ProcessExit
 from taas.launch.local import jobdir, protocol
+from taas.launch.local.mailboxes import Mailboxes
 from taas.launch.process import cells
 from taas.launch.local.protocol import (
     Exited,
@@ -41,8 +42,13 @@ _SPAWN_TIMEOUT = 30.0  # seconds of silence from the start process before a star
 
 class LocalJob(JobHandle):
     def __init__(self, conn: Connection, lose_starter: Callable[[], None], job_id: str,
-                 readers: dict[int, tuple[str, str]], job_dir: str, store=None):
+                 readers: dict[int, tuple[str, str]], job_dir: str, store=None,
+                 mailboxes: Mailboxes | None = None):
         self._conn = conn  # the launcher's channel to the start process
+        # Answers about this job that another live job of the launcher read (kept ranks and a
+        # cell's loader job run side by side): taas.launch.local.mailboxes.
+        self._mail = mailboxes if mailboxes is not None else Mailboxes()
+        self._box = self._mail.open(job_id)
         self._close_starter = lose_starter  # the start process is gone or stuck: start afresh
         self.job_dir = job_dir  # see taas.launch.local.jobdir
         self._store = store  # the attempt's rendezvous store; its port closes with it
@@ -78,6 +84,14 @@ class LocalJob(JobHandle):
     def layers(self) -> list[tuple[str, str]]:
         return jobdir.layers(self.job_dir) if self.job_dir else []
 
+    def fileno(self) -> int | None:
+        """The selector's descriptor: readable when a pipe or the start process's channel is
+        (what another job routed here is not: :meth:`events` takes that first)."""
+        try:
+            return self._selector.fileno()  # type: ignore[attr-defined]
+        except (AttributeError, ValueError, OSError):  # no such selector here, or closed
+            return None
+
     @property
     def running(self) -> bool:
         return len(self._exited) < len(self._pids)
@@ -96,10 +110,16 @@ class LocalJob(JobHandle):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._starter_lost:
                 raise LaunchError("the taas start process did not answer; run the cell again")
-            received, message = self._recv_control(remaining)
+            if self._box:
+                received, message = True, self._box.popleft()
+            else:
+                received, message = self._recv_control(remaining)
             if not received:
                 continue
             deadline = time.monotonic() + _SPAWN_TIMEOUT  # it answers: wait on
+            if getattr(message, "job_id", self.job_id) != self.job_id:
+                self._mail.route(message)  # another live job's (kept ranks'), or dropped
+                continue
             if isinstance(message, Spawned) and message.job_id == self.job_id:
                 self._pids = dict(message.pids)
                 return
@@ -131,13 +151,13 @@ class LocalJob(JobHandle):
         self._close_starter()
 
     def _handle_control(self, message: Message | None) -> None:
-        if isinstance(message, Exited):
-            if message.job_id == self.job_id:  # else a late message about an earlier job
-                self._exited.add(message.key)
-                self._pending.append(ProcessExit(message.key, message.pid, message.returncode))
+        if getattr(message, "job_id", self.job_id) != self.job_id:
+            self._mail.route(message)  # another live job's, or a late one about an ended job
+        elif isinstance(message, Exited):
+            self._exited.add(message.key)
+            self._pending.append(ProcessExit(message.key, message.pid, message.returncode))
         elif isinstance(message, Stopped):
-            if message.job_id == self.job_id:
-                self._stopped = True
+            self._stopped = True
         elif message is not None and not isinstance(message, (Spawned, SpawnError)):
             log.debug("taas: a job ignored a %s from the start process", type(message).__name__)
 
@@ -150,6 +170,10 @@ class LocalJob(JobHandle):
 
     def _poll(self, timeout: float) -> None:
         """Wait up to ``timeout`` for output or control messages; queue what arrives."""
+        if self._box:  # what another job read for us first; then no waiting
+            while self._box:
+                self._handle_control(self._box.popleft())
+            timeout = 0
         if self._readers or self.running or not self._stopped:
             for sel_key, _ in self._selector.select(timeout):
                 fd = sel_key.fd
@@ -249,6 +273,7 @@ class LocalJob(JobHandle):
 
     def close(self) -> None:
         self.stop()
+        self._mail.close(self.job_id)
         for fd in list(self._readers):
             self._selector.unregister(fd)
             os.close(fd)

@@ -29,6 +29,7 @@ from taas.launch.local import jobdir, protocol
 # LocalJob and the checks are re-exported: callers import them from here.
 from taas.launch.local.job import LocalJob
 from taas.launch.local.limits import check_fd_limit, check_gpus, check_shared_fds
+from taas.launch.local.mailboxes import Mailboxes
 from taas.launch.local.protocol import FDS_PER_MESSAGE, STREAMS, Ready, Spawn, Stop
 from taas.shield import deferred_interrupt
 
@@ -51,6 +52,9 @@ class LocalLauncher(Launcher):
         self._conn: Connection | None = None
         self._ready = False
         self.starter_pid: int | None = None
+        # The start process's answers about each live job (several live at once with kept
+        # ranks and a cell's loader job): taas.launch.local.mailboxes.
+        self._mail = Mailboxes()
 
     # -- the start process ---------------------------------------------------------------
     def warm(self) -> None:
@@ -177,7 +181,7 @@ class LocalLauncher(Launcher):
             jobdir.remove(job_dir)
             store = None  # its listening port closes now, not when a kept traceback goes
             raise
-        job = LocalJob(conn, self._close_starter, attempt, readers, job_dir, store)
+        job = LocalJob(conn, self._close_starter, attempt, readers, job_dir, store, self._mail)
         store = None  # the job owns it
         try:
             job.await_spawned()
