@@ -164,12 +164,17 @@ class Session:
         if workdir_limit is not None:
             self.workdir_limit = workdir_limit
         target = self.cluster_address()
+        lines = []
+        kept = self.keeper.kept
+        if kept is not None and kept.launcher is self._cluster_launcher and (
+                target is None or target != kept.launcher.address):  # kept on the cluster we leave
+            lines.append(f"{self.keeper.release()}: the session now runs cells elsewhere")
         if target is None and self._cluster_launcher is not None:
             # Back to this machine: end the cluster connection, so its agents, the GPUs they
             # keep reserved for a warm next cell, and the working directory's copies go now.
             self._cluster_launcher.shutdown()
             self._cluster_launcher = None
-        return self.launcher_for(target).describe()
+        return lines + self.launcher_for(target).describe()
 
     # ------------------------------------------------------------------------------------
     def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, **kwargs) -> CellResult:
@@ -198,6 +203,11 @@ class Session:
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
+        kept = self.keeper.kept
+        if kept is not None and kept.launcher is self._cluster_launcher and address != kept.launcher.address:
+            # Kept ranks on a cluster this cell leaves: ended (one line) before launcher_for
+            # may end that cluster's connection under them.
+            self.keeper.reuse(None, None, options.fresh, None, sink)
         launcher = self.launcher_for(address)
         kept = self._kept_for(launcher, options, sink)
         keep = kept is not None or options.keep is not None

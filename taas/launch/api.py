@@ -50,6 +50,8 @@ handle open between cells and, per cell, calls :meth:`JobHandle.next_cell` (the 
 and result file names, fresh per cell) and, on Ctrl-C, :meth:`JobHandle.interrupt` (SIGINT to
 the ranks' main threads: KeyboardInterrupt in the cell's code).  The ranks end with
 :meth:`JobHandle.stop`, as any job's; a launcher without kept ranks refuses ``--keep``.
+What ``%taas`` shows of them comes through the handle too (:meth:`JobHandle.memory`,
+:meth:`JobHandle.reserved`): the caller never reads a process's machine itself.
 """
 
 from __future__ import annotations
@@ -251,8 +253,19 @@ class JobHandle(abc.ABC):
         return []
 
     def running_pids(self) -> dict[str, int]:
-        """Kept ranks: each running process's pid on its machine, for ``%taas`` (memory)."""
+        """Kept ranks: each running process's pid on its machine (for logs: on a cluster the
+        machine is not the kernel's)."""
         return {}
+
+    def memory(self) -> dict[str, int]:
+        """Kept ranks: each running process's resident memory in bytes, wherever it runs, for
+        ``%taas`` (the launcher measures it where the process is)."""
+        return {}
+
+    def reserved(self) -> str | None:
+        """Kept ranks: what the job holds for its ranks beyond their processes while they live,
+        in words for ``%taas`` (a cluster's reserved GPUs), or None."""
+        return None
 
 
 class Launcher(abc.ABC):
