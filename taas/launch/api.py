@@ -257,6 +257,12 @@ class JobHandle(abc.ABC):
         machine is not the kernel's)."""
         return {}
 
+    def cell_done(self) -> None:
+        """Kept ranks: every rank came back from a cell (whether it raised or not).  What the
+        cell wrote where the kernel cannot see it comes to the notebook's working directory
+        now, as a one-cell job's does when its processes end (a cluster node's copy of the
+        directory); nothing to do where the ranks write the directory itself."""
+
     def memory(self) -> dict[str, int]:
         """Kept ranks: each running process's resident memory in bytes, wherever it runs, for
         ``%taas`` (the launcher measures it where the process is)."""

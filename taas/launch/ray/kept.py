@@ -8,7 +8,9 @@ node (:class:`~taas.launch.local.job.LocalJob`: the cell FIFOs, SIGINT to the ra
 kernel's side only fans each call out to the agents of the job's nodes, all at once, and
 gathers the answers:
 
-    next_cell   the payload once into the object store, then every agent's next_cell
+    next_cell   the nodes' copies of the working directory brought up to date (where a node
+                has one), the payload once into the object store, every agent's next_cell
+    cell_done   what the cell wrote in those copies comes back to the working directory
     lost        exits already reported, agents found dead, then every agent's lost()
     interrupt   each agent signals its node's ranks
     memory      each agent measures its node's processes
@@ -27,6 +29,7 @@ from collections import Counter, defaultdict
 from taas.errors import LaunchError
 from taas.launch.api import ProcessExit
 from taas.launch.ray.cluster import CALL_TIMEOUT, message
+from taas.launch.ray.copies import WorkdirCopies
 
 _INTERRUPT_TIMEOUT = 5.0  # seconds an agent gets to signal its ranks (it only sends SIGINT)
 
@@ -55,7 +58,10 @@ class KeptCalls:
     _ray: object
     closed: bool
 
+    _copies: WorkdirCopies
+
     def _wait(self, timeout: float) -> None: ...
+    def _bring_back(self) -> None: ...
     def _lose(self, node_id: str) -> None: ...
 
     def _where(self, node_id: str) -> str:
@@ -95,11 +101,20 @@ class KeptCalls:
         lost = self.lost()
         if lost is not None:
             raise LaunchError(f"the kept ranks are gone: {lost}")
+        if self._copies.paths:  # the notebook's changes since the last cell reach the nodes' copies
+            self._copies.ship({n: self._agents[n] for n in self._copies.paths}, self._ip_of)
         ref = self._ray.put(files)  # type: ignore[attr-defined]  # once, for every node
         errors = [f"{self._where(n)}: {message(a)}" for n, a in self._ask("next_cell", ref, payload, result).items()
                   if isinstance(a, Exception)]
         if errors:
             raise LaunchError("the kept ranks are gone: " + "; ".join(errors))
+
+    def cell_done(self) -> None:
+        """What the cell's writers changed in the nodes' copies of the working directory
+        comes back now, as after a one-cell job (RayJob._bring_back), not when the ranks end."""
+        if self._copies.paths:
+            self._bring_back()
+            self._copies.again()
 
     def interrupt(self, keys) -> list[str]:
         by_node: dict[str, list[str]] = defaultdict(list)
