@@ -25,6 +25,7 @@ driver (``NodeAgent._watch_kernel``) and Ray ends the agents with the kernel's c
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import Any
 
 from taas.errors import LaunchError
 from taas.launch.api import ProcessExit
@@ -55,7 +56,7 @@ class KeptCalls:
     _stopped: bool
     _let_go: bool
     _reserving: bool
-    _ray: object
+    _ray: Any  # the ray module
     closed: bool
 
     _copies: WorkdirCopies
@@ -74,7 +75,7 @@ class KeptCalls:
         out: dict[str, object] = {}
         for node_id, ref in refs.items():
             try:
-                out[node_id] = self._ray.get(ref, timeout=timeout)  # type: ignore[attr-defined]
+                out[node_id] = self._ray.get(ref, timeout=timeout)
             except Exception as exc:  # broad: whatever Ray calls a dead agent, or the agent's error
                 out[node_id] = exc
         return out
@@ -103,7 +104,7 @@ class KeptCalls:
             raise LaunchError(f"the kept ranks are gone: {lost}")
         if self._copies.paths:  # the notebook's changes since the last cell reach the nodes' copies
             self._copies.ship({n: self._agents[n] for n in self._copies.paths}, self._ip_of)
-        ref = self._ray.put(files)  # type: ignore[attr-defined]  # once, for every node
+        ref = self._ray.put(files)  # once, for every node
         errors = [f"{self._where(n)}: {message(a)}" for n, a in self._ask("next_cell", ref, payload, result).items()
                   if isinstance(a, Exception)]
         if errors:
@@ -125,7 +126,7 @@ class KeptCalls:
         sent: list[str] = []
         for ref in refs:
             try:
-                sent += self._ray.get(ref, timeout=_INTERRUPT_TIMEOUT)  # type: ignore[attr-defined]
+                sent += self._ray.get(ref, timeout=_INTERRUPT_TIMEOUT)
             except Exception:  # broad: a dead agent's ranks died with it (the watch sees their exits)
                 pass
         return sent
