@@ -12,6 +12,9 @@ measures, side by side in one run:
   last one returned, as Run All runs them; median of --repeat;
 - taas warm, after a pause: the same with 1 s between cells (a person reads, then runs the
   next), median of --repeat;
+- taas kept (``--keep``): a first cell starts the ranks and keeps them, then the same trivial
+  cell on those kept ranks back to back and after a 1 s pause, median of --repeat each (no
+  placement group and no processes started: the ranks, their GPUs and their process group stay);
 - of each warm cell, the time spent reserving the GPUs (the placement group: see
   taas/launch/ray/reservation.py for why back to back once cost 0.5-0.7 s more);
 - Ray Train: ``TorchTrainer(train_fn, ScalingConfig(num_workers=4)).fit()`` for the same job
@@ -39,7 +42,7 @@ from tests.support.cluster import SimulatedCluster, missing_requirements
 
 DRIVER = r'''
 import json, sys, tempfile, time
-from taas.directive import JobOptions
+from taas.directive import JobOptions, parse_options
 from taas.launch.ray import reservation
 from taas.launch.ray.launcher import RayLauncher
 from taas.session import Session
@@ -74,6 +77,19 @@ paused = []
 for _ in range(repeat):
     time.sleep(1.0)  # a person reads the output, then runs the next cell
     paused.append(taas_job())
+
+def kept_job(options="--gpus 4"):
+    held.clear()
+    t0 = time.perf_counter()
+    session.run_cell(CELL, {}, parse_options(options), sink=Quiet())
+    return [time.perf_counter() - t0, sum(held)]
+
+kept_first = kept_job("--gpus 4 --keep")[0]  # starts the ranks (warm agents) and keeps them
+kept_back = [kept_job() for _ in range(repeat)]
+kept_paused = []
+for _ in range(repeat):
+    time.sleep(1.0)
+    kept_paused.append(kept_job())
 session.close()
 
 def train_fn():
@@ -97,7 +113,8 @@ try:
         trainer_s.append(time.perf_counter() - t0)
 except ImportError as exc:
     print(f"(no Ray Train: {exc})", file=sys.stderr)
-print(json.dumps({"cold": cold, "back": back, "paused": paused, "trainer": trainer_s}))
+print(json.dumps({"cold": cold, "back": back, "paused": paused, "kept_first": kept_first,
+                  "kept_back": kept_back, "kept_paused": kept_paused, "trainer": trainer_s}))
 '''
 
 
@@ -127,7 +144,10 @@ def main() -> None:
     print("4 ranks over 2 nodes (gloo, one all_reduce), simulated cluster:")
     print(f"  {'taas cold (first cell after connecting)':<42} {figures['cold']:7.3f} s"
           + (f"   {figures['cold'] / trainer:.3f}x TorchTrainer.fit" if trainer else ""))
-    for name, label in (("back", "taas warm, back to back (Run All)"), ("paused", "taas warm, after a 1 s pause")):
+    print(f"  {'taas --keep, first cell (starts the ranks)':<42} {figures['kept_first']:7.3f} s")
+    for name, label in (("back", "taas warm, back to back (Run All)"), ("paused", "taas warm, after a 1 s pause"),
+                        ("kept_back", "taas kept, back to back (Run All)"),
+                        ("kept_paused", "taas kept, after a 1 s pause")):
         cells = figures[name]
         median = statistics.median(c[0] for c in cells)
         reserve = statistics.median(c[1] for c in cells)
@@ -143,6 +163,9 @@ def main() -> None:
     back = statistics.median(c[0] for c in figures["back"])
     paused = statistics.median(c[0] for c in figures["paused"])
     print(f"  back to back / after a pause = {back / paused:.2f}   (goal: about 1)")
+    kept_back = statistics.median(c[0] for c in figures["kept_back"])
+    kept_paused = statistics.median(c[0] for c in figures["kept_paused"])
+    print(f"  kept: back to back / after a pause = {kept_back / kept_paused:.2f}   (goal: about 1)")
 
 
 if __name__ == "__main__":

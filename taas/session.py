@@ -164,12 +164,17 @@ class Session:
         if workdir_limit is not None:
             self.workdir_limit = workdir_limit
         target = self.cluster_address()
+        lines = []
+        kept = self.keeper.kept
+        if kept is not None and kept.launcher is self._cluster_launcher and (
+                target is None or target != kept.launcher.address):  # kept on the cluster we leave
+            lines.append(f"{self.keeper.release()}: the session now runs cells elsewhere")
         if target is None and self._cluster_launcher is not None:
             # Back to this machine: end the cluster connection, so its agents, the GPUs they
             # keep reserved for a warm next cell, and the working directory's copies go now.
             self._cluster_launcher.shutdown()
             self._cluster_launcher = None
-        return self.launcher_for(target).describe()
+        return lines + self.launcher_for(target).describe()
 
     # ------------------------------------------------------------------------------------
     def run_cell(self, source: str, namespace: dict, options: directive.JobOptions, **kwargs) -> CellResult:
@@ -198,6 +203,11 @@ class Session:
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
+        kept = self.keeper.kept
+        if kept is not None and kept.launcher is self._cluster_launcher and address != kept.launcher.address:
+            # Kept ranks on a cluster this cell leaves: ended (one line) before launcher_for
+            # may end that cluster's connection under them.
+            self.keeper.reuse(None, None, options.fresh, None, sink)
         launcher = self.launcher_for(address)
         kept = self._kept_for(launcher, options, sink)
         keep = kept is not None or options.keep is not None
@@ -238,6 +248,10 @@ class Session:
             values = {k: v for k, v in values.items() if not kept.holds(k, v)}
         rebound = rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)  # on kept ranks: this cell's loader job
+        if keep and plane is not None and launcher is not self.launcher:
+            # The cluster's TCP transport cannot yet tell kept ranks that a loader failed.
+            raise DirectiveError("registered loaders on kept ranks run on one machine only for now: "
+                                 "run this cell with --fresh, or without --keep")
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]

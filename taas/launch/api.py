@@ -54,6 +54,8 @@ A kept cell that reads registered loaders starts its loader workers as a job of 
 while the kept job lives: the launcher keeps each job's events to that job's handle (the
 local one routes its start process's messages per job), and :meth:`JobHandle.fileno` lets
 the caller wait on both handles at once.
+What ``%taas`` shows of them comes through the handle too (:meth:`JobHandle.memory`,
+:meth:`JobHandle.reserved`): the caller never reads a process's machine itself.
 """
 
 from __future__ import annotations
@@ -260,8 +262,25 @@ class JobHandle(abc.ABC):
         return []
 
     def running_pids(self) -> dict[str, int]:
-        """Kept ranks: each running process's pid on its machine, for ``%taas`` (memory)."""
+        """Kept ranks: each running process's pid on its machine (for logs: on a cluster the
+        machine is not the kernel's)."""
         return {}
+
+    def cell_done(self) -> None:
+        """Kept ranks: every rank came back from a cell (whether it raised or not).  What the
+        cell wrote where the kernel cannot see it comes to the notebook's working directory
+        now, as a one-cell job's does when its processes end (a cluster node's copy of the
+        directory); nothing to do where the ranks write the directory itself."""
+
+    def memory(self) -> dict[str, int]:
+        """Kept ranks: each running process's resident memory in bytes, wherever it runs, for
+        ``%taas`` (the launcher measures it where the process is)."""
+        return {}
+
+    def reserved(self) -> str | None:
+        """Kept ranks: what the job holds for its ranks beyond their processes while they live,
+        in words for ``%taas`` (a cluster's reserved GPUs), or None."""
+        return None
 
 
 class Launcher(abc.ABC):

@@ -128,6 +128,7 @@ class KeptCell:
             raise
         finally:
             kept.last_used = time.monotonic()
+        kept.handle.cell_done()  # every rank came back: what rank 0 wrote is the notebook's now
         if failed:
             sup.transition(Ev.FAILURE)
             sup.transition(Ev.STOPPED)

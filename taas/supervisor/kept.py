@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
 import threading
 import time
@@ -70,10 +69,13 @@ class Kept:
 
     def describe(self) -> str:
         limit = "" if math.isinf(self.limit) else f", released after {_span(self.limit)} idle"
+        # Measured where the ranks run (the launcher's business: a cluster asks its nodes).
         memory = ", ".join(f"{k} {rss / 2**20:.0f} MiB" for k, rss in sorted(
-            _rss(self.handle.running_pids()).items(), key=lambda kv: names.order(kv[0])))
+            self.handle.memory().items(), key=lambda kv: names.order(kv[0])))
+        reserved = self.handle.reserved()
         return (f"kept ranks: {self.world.size} on {self.world.device}/{self.world.backend} on "
                 f"{self.launcher.where}, {self.cells} cell(s), idle {_span(self.idle())}{limit}"
+                + (f"; {reserved}" if reserved else "")
                 + (f"; memory (RSS) {memory}" if memory else ""))
 
     def flag(self) -> str:
@@ -120,17 +122,6 @@ def fingerprint(value) -> object:
         if len(blob) <= SMALL:
             return ("pickle", blob)
     return ("id", id(value))
-
-
-def _rss(pids: dict[str, int]) -> dict[str, int]:
-    out = {}
-    for key, pid in pids.items():
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                out[key] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass
-    return out
 
 
 def _span(seconds: float) -> str:

@@ -148,3 +148,46 @@ def test_keep_is_refused_where_the_launcher_cannot_keep_ranks():
             session.run_cell("x = 1", {}, directive.parse_options("--keep --cluster ray://x:1"), sink=Sink())
     finally:
         session.close()
+
+
+class ClusterLauncher(KeepingLauncher):
+    """A cluster's launcher that keeps ranks (as the Ray launcher does)."""
+
+    where = "the cluster"
+
+    def __init__(self, address):
+        super().__init__()
+        self.address, self.down = address, False
+
+    def describe(self):
+        return [f"taas: cluster at {self.address}"]
+
+    def shutdown(self):
+        self.down = True
+
+
+def test_kept_ranks_on_a_cluster_the_session_leaves_are_released_first_with_one_line():
+    session = Session(KeepingLauncher())
+    try:
+        for leave in ("%taas cluster local", "a cell on another cluster"):
+            cluster = session._cluster_launcher = ClusterLauncher("ray://x:1")
+            session.run_cell("x = 1", {}, directive.parse_options("--gpus 2 --keep --cluster ray://x:1"),
+                             sink=Sink())
+            assert session.kept is not None and session.kept.launcher is cluster
+            if leave == "%taas cluster local":
+                lines = session.use_cluster("local")
+                assert lines[0] == ("taas: released the kept ranks (2 on cpu/gloo): the session now "
+                                    "runs cells elsewhere"), lines
+            else:
+                sink = Sink()
+                session.launcher_for = lambda address: KeepingLauncher()  # another cluster's
+                session.run_cell("x = 1", {}, directive.parse_options("--gpus 2 --keep --cluster ray://y:1"),
+                                 sink=sink)
+                del session.launcher_for
+                lines = [t for t in sink.text if "released the kept ranks" in t]
+                assert len(lines) == 1 and "this cell runs elsewhere" in lines[0], sink.text
+            assert cluster.handles[0].stopped
+            assert session.kept is None or session.kept.launcher is not cluster  # the new cell's
+            session.release()
+    finally:
+        session.close()

@@ -102,6 +102,10 @@ def _become(spec, cwd: str, fds: list[int], private: tuple[int, ...], starter: i
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A start process started from a thread that blocks SIGINT (a Ray actor's thread: the
+    # cluster's node agents) hands the blocked mask down through fork and exec: a kept rank
+    # must take the kernel's interrupt (SIGINT: KeyboardInterrupt in the cell's code).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     out, err, events = fds[: len(protocol.STREAMS)]
     os.dup2(out, 1)
     os.dup2(err, 2)

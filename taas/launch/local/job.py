@@ -243,6 +243,16 @@ class LocalJob(JobHandle):
     def running_pids(self) -> dict[str, int]:
         return {k: p for k, p in self._pids.items() if k not in self._exited}
 
+    def memory(self) -> dict[str, int]:
+        out = {}
+        for key, pid in self.running_pids().items():
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    out[key] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError, IndexError):  # ended meanwhile
+                pass
+        return out
+
     # -- the end ---------------------------------------------------------------------------
     def stop(self, grace: float = 1.0) -> None:
         if self._stopped or self._starter_lost or not self._pids:

@@ -83,6 +83,7 @@ class NodeAgent:
         self._launcher.warm()  # the start process imports torch while the kernel gets ready
         self._lock = threading.Lock()
         self._job = None  # the local job handle of this node's share, while one runs
+        self._kept = False  # its ranks live between cells (--keep)
         self._stores: dict[str, object] = {}
         self._copies: dict[str, tuple[str, dict]] = {}  # kernel's cwd -> (copy here, its manifest)
         self._polled = time.monotonic()  # the kernel's last call
@@ -107,7 +108,10 @@ class NodeAgent:
                 if job is None or job.finished:
                     continue
             gone = self._kernel_gone()  # outside the lock: it may ask the cluster
-            if gone is None:
+            if gone is None and not self._kept:
+                # Kept ranks (--keep) wait between cells without a call from the kernel for
+                # as long as the user reads: silence says nothing about them; they end with
+                # this actor when Ray ends the kernel's connection.
                 gone = time.monotonic() - self._polled > SILENT
             if not gone:
                 continue
@@ -211,6 +215,7 @@ class NodeAgent:
                     self._job.close()
                     self._job = None
                 self._job = self._launcher.start(spec)
+                self._kept = any(p.env.get("TAAS_KEEP") == "1" for p in spec.processes)
                 # If Ray ends us before the job's own clean-up ran, our watcher runs it.
                 node_watch.record(spec.cleanups, self._job.job_dir)
                 # The kernel polls once this call returns: a long start (a fresh start
@@ -266,6 +271,37 @@ class NodeAgent:
         self._polled = time.monotonic()  # the kernel is alive
         job = self._job
         return job.layers() if job is not None else []
+
+    # -- kept ranks (--keep): the local job's own calls, under the lock ------------------------
+    def next_cell(self, files: dict, payload: str, result: str) -> None:
+        """The next cell for this node's kept ranks (LocalJob.next_cell: LaunchError when one
+        of them ended since the last cell)."""
+        self._polled = time.monotonic()  # the kernel is alive
+        with self._lock:
+            if self._job is None:
+                from taas.errors import LaunchError
+
+                raise LaunchError(f"the kept ranks on node {self.ip} were ended")
+            self._job.next_cell(files, payload, result)
+
+    def lost(self) -> str | None:
+        """Why this node's kept ranks can run no cell any more, or None."""
+        self._polled = time.monotonic()
+        with self._lock:
+            if self._job is None:
+                return f"the kept ranks on node {self.ip} were ended"
+            return self._job.lost()
+
+    def interrupt(self, keys: list[str]) -> list[str]:
+        self._polled = time.monotonic()
+        job = self._job  # a signal each: no lock, an interrupt must not wait for a long poll
+        return job.interrupt(keys) if job is not None else []
+
+    def memory(self) -> dict[str, int]:
+        """Resident memory (bytes) of each running process of this node's share."""
+        self._polled = time.monotonic()
+        job = self._job
+        return job.memory() if job is not None else {}
 
     def close(self) -> None:
         with self._lock:

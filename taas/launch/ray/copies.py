@@ -91,6 +91,10 @@ class WorkdirCopies:
                 if failed:
                     log.warning("could not write back into %s: %s", self._cwd, ", ".join(failed[:4]))
 
+    def again(self) -> None:
+        """Kept ranks (``--keep``): the next cell of the same processes brings back again."""
+        self._brought = False
+
     def fetch_layers(self, found: dict[str, list]) -> list[tuple[str, str]]:
         """The copy nodes' layers (``found``: node id -> the agent's ``layer_entries()``) as
         directories of the kernel's: ``(name, path)``.  Never raises: the supervisor closes the

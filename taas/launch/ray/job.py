@@ -41,6 +41,7 @@ from taas.launch.api import (
 from taas.launch.ray import placement, reservation
 from taas.launch.ray.cluster import CALL_TIMEOUT, RayCluster, message
 from taas.launch.ray.copies import WorkdirCopies
+from taas.launch.ray.kept import KeptCalls
 from taas.launch.ray.reservation import Reservation
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,13 @@ class Workdir:
     limit: int | None = None
 
 
-class RayJob(JobHandle):
+class RayJob(KeptCalls, JobHandle):
     """An attempt spread over agents: their events merged, stop/fetch/stacks routed by node.
 
     It uses the cluster's agent pool (``cluster``: :meth:`RayCluster.agent`,
     :meth:`~RayCluster.forget` the agent of a node that failed, :meth:`~RayCluster.copy_nodes`)
-    and holds the GPU ``reservation`` from :meth:`launch` until :meth:`close`."""
+    and holds the GPU ``reservation`` from :meth:`launch` until :meth:`close`.  Its
+    kept-ranks calls (``--keep``) come from :class:`~taas.launch.ray.kept.KeptCalls`."""
 
     def __init__(self, cluster: RayCluster, reservation: Reservation, spec: LaunchSpec,
                  workdir: Workdir = Workdir()):
@@ -87,6 +89,7 @@ class RayJob(JobHandle):
         self._copies = WorkdirCopies(self._ray, spec.cwd, self._attempt, workdir.limit)
         self._ranks = {p.key for p in spec.processes if p.rank is not None}
         self._let_go = False  # the GPU reservation given back (every rank exited, or closed)
+        self._reserving = False  # the job reserved GPUs (its plan places ranks by GPU)
         self._stopped = False
         self.closed = False
 
@@ -101,6 +104,7 @@ class RayJob(JobHandle):
         it, host the rendezvous store on the plan's node 0, and start each node's share."""
         spec = self._spec
         if plan.by == "GPU":  # reserve the GPUs where the plan puts the ranks
+            self._reserving = True
             self._reservation.hold(reservation.bundles([nodes[n].ip for n in plan.rank_nodes]),
                                    self._attempt)
         for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):

@@ -58,6 +58,7 @@ class RayLauncher(Launcher):
     """The Launcher contract on a Ray cluster: check, topology, start, describe, shutdown."""
 
     where = "the cluster"
+    keeps_ranks = True  # RayJob implements the kept-ranks calls (taas.launch.ray.kept)
 
     def __init__(self, address: str, workdir: str = "auto", workdir_limit: int | None = None):
         self.address = address

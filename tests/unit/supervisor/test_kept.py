@@ -23,8 +23,11 @@ class FakeHandle:
     def close(self):
         self.closed = True
 
-    def running_pids(self):
+    def memory(self):
         return {}
+
+    def reserved(self):
+        return None
 
 
 class FakeLauncher:
