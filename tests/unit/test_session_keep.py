@@ -191,3 +191,22 @@ def test_kept_ranks_on_a_cluster_the_session_leaves_are_released_first_with_one_
             session.release()
     finally:
         session.close()
+
+
+def test_a_registered_loader_on_kept_ranks_of_a_cluster_is_a_one_line_usage_error():
+    from torch.utils.data import DataLoader
+
+    from taas.data import registry
+
+    loader = DataLoader(list(range(8)), batch_size=2)
+    registry.register(loader)
+    session = Session(KeepingLauncher())
+    try:
+        session.launcher_for = lambda address: ClusterLauncher(address)
+        with pytest.raises(DirectiveError, match="registered loaders on kept ranks run on one machine only"):
+            session.run_cell("for b in loader:\n    pass", {"loader": loader},
+                             directive.parse_options("--gpus 2 --keep --cluster ray://x:1"), sink=Sink())
+        assert session.kept is None  # refused before anything started
+    finally:
+        session.close()
+        registry.unregister(loader)
