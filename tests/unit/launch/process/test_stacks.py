@@ -76,6 +76,7 @@ def test_a_rank_answers_each_request_with_its_stack_on_the_events_pipe(tmp_path)
     """A rank (a forked child) whose main thread waits in the cell; the kernel's side asks
     twice and gets two answers, each saying the cell's line; the rank is never disturbed."""
     job_dir, path, done = str(tmp_path), cell_file(tmp_path), tmp_path / "done"
+    waiting = tmp_path / "waiting"  # the rank's main thread is in the cell's flag.wait
     answers = 2
 
     def rank() -> int:
@@ -83,6 +84,7 @@ def test_a_rank_answers_each_request_with_its_stack_on_the_events_pipe(tmp_path)
 
         class Flag:  # the cell waits on this: it ends once the kernel saw both answers
             def wait(self, timeout):
+                waiting.touch()
                 deadline = time.monotonic() + timeout
                 while not done.exists() and time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -94,7 +96,9 @@ def test_a_rank_answers_each_request_with_its_stack_on_the_events_pipe(tmp_path)
         asked = 0
         deadline = time.monotonic() + 60
         while asked < answers and time.monotonic() < deadline:
-            if stacks.request(job_dir, ["rank0", "rank1"]) == ["rank0"]:  # rank1 has no FIFO
+            # Asked before the rank is in the cell, it would answer where it is then (still
+            # setting up): wait for the event first.
+            if waiting.exists() and stacks.request(job_dir, ["rank0", "rank1"]) == ["rank0"]:  # rank1 has no FIFO
                 asked += 1
                 time.sleep(0.3)  # one request a time: the rank reads one byte, answers once
             else:
