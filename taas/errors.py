@@ -35,6 +35,15 @@ class LaunchError(TaasError):
     """The job's processes could not be started."""
 
 
+class KeptRanksGone(LaunchError):
+    """``next_cell`` found the kept ranks short of a process before sending anything: none of
+    them got the cell, so it can run on fresh ranks instead.  ``reason``: what ended."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the kept ranks are gone: {reason}")
+        self.reason = reason
+
+
 class RenderedError(TaasError):
     """An error that knows how a notebook should show it.
 

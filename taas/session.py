@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from taas import directive
-from taas.errors import DirectiveError, LaunchError
+from taas.errors import DirectiveError, KeptRanksGone, LaunchError
 from taas.io import failure, keys
 from taas.io.output import INFO, WARN, Sink, TerminalSink
 from taas.io.output import note as write_note
@@ -223,7 +223,17 @@ class Session:
                              loaders=sorted(i.name for i in plane.loaders) if plane else [],
                              config=options.config, cluster=address)
         if keep:
-            return self._run_kept(launcher, job, big, options, sink, name_for)
+            try:
+                return self._run_kept(launcher, job, big, options, sink, name_for)
+            except KeptRanksGone as gone:  # a rank ended since the check above: nothing was sent
+                if kept is None:
+                    raise
+                was = kept.world
+                sink.write("stderr", f"taas: released the kept ranks ({was.size} on {was.device}/"
+                           f"{was.backend}): {gone.reason}, so their state is lost; this cell starts "
+                           "fresh ranks\n")
+                return self._run_cell(source, namespace, options, filename=filename, first_line=first_line,
+                                      sink=sink, hidden=hidden, name_for=name_for)
         return self._run(launcher, job, plane, big, self.last, sink, name_for)
 
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,

@@ -210,3 +210,28 @@ def test_a_registered_loader_on_kept_ranks_of_a_cluster_is_a_one_line_usage_erro
     finally:
         session.close()
         registry.unregister(loader)
+
+
+def test_a_rank_gone_between_the_check_and_the_next_cell_gives_fresh_ranks_and_one_line():
+    """The kept ranks looked whole when the cell began, but ``next_cell`` found a rank ended
+    (it died meanwhile): nothing was sent, so the cell runs on fresh ranks, with one line."""
+    from taas.errors import KeptRanksGone
+
+    launcher, sink = KeepingLauncher(), Sink()
+    session = Session(launcher)
+    try:
+        session.run_cell("x = 1", {}, directive.parse_options("--gpus 2 --keep"), sink=Sink())
+        first = launcher.handles[0]
+
+        def gone(files, payload, result):
+            raise KeptRanksGone("rank1 ended (killed by SIGKILL)")
+
+        first.next_cell = gone
+        session.run_cell("y = 2", {}, directive.parse_options("--gpus 2 --keep"), sink=sink)
+        assert len(launcher.handles) == 2 and first.stopped  # fresh ranks ran the cell
+        assert launcher.handles[1].payloads[0].source == "y = 2"
+        lines = [t for t in sink.text if "released the kept ranks" in t]
+        assert lines == ["taas: released the kept ranks (2 on cpu/gloo): rank1 ended (killed by SIGKILL), "
+                         "so their state is lost; this cell starts fresh ranks\n"], sink.text
+    finally:
+        session.close()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 
-from taas.errors import LaunchError
+from taas.errors import KeptRanksGone, LaunchError
 from taas.launch.api import Event, JobHandle, OutputChunk, ProcessExit
 from taas.launch.local import jobdir, protocol
 from taas.launch.local.mailboxes import Mailboxes
@@ -211,7 +211,7 @@ class LocalJob(JobHandle):
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
         lost = self.lost()
         if lost is not None:
-            raise LaunchError(f"the kept ranks are gone: {lost}")
+            raise KeptRanksGone(lost)
         for name in os.listdir(self.job_dir):  # the last cell's reports must not name this one
             if name.endswith((".error.json", ".pkl", ".pkl.tmp")):
                 try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from taas.errors import LaunchError
+from taas.errors import KeptRanksGone, LaunchError
 from taas.launch.api import ProcessExit
 from taas.launch.ray.cluster import CALL_TIMEOUT, message
 from taas.launch.ray.copies import WorkdirCopies
@@ -101,7 +101,7 @@ class KeptCalls:
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
         lost = self.lost()
         if lost is not None:
-            raise LaunchError(f"the kept ranks are gone: {lost}")
+            raise KeptRanksGone(lost)
         if self._copies.paths:  # the notebook's changes since the last cell reach the nodes' copies
             self._copies.ship({n: self._agents[n] for n in self._copies.paths}, self._ip_of)
         ref = self._ray.put(files)  # once, for every node
