@@ -276,8 +276,10 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
         _ok(kernel.run("%taas release"))
     assert len(after) == len(before) == 3
     # Nothing grows (the kernel, shared with earlier tests, may still close one of theirs).
+    # A leak per cell would add 30 fds or threads; the kernel's other threads (IPython's history
+    # writer, zmq, a plot drawing) hold one or two for a moment now and then.
     for (fds0, threads0, rss0), (fds1, threads1, rss1) in zip(before, after):
-        assert fds1 <= fds0 and threads1 <= threads0, (before, after)
+        assert fds1 - fds0 < 5 and threads1 - threads0 < 5, (before, after)
         assert rss1 - rss0 < 32 << 20, (before, after)  # 30 cells: no per-cell growth
 
 
