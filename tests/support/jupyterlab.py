@@ -16,6 +16,7 @@ time.  Every process started here ends by pid when its owner stops (:func:`end_p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -24,12 +25,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import psutil
 
+from tests.support import processes
 from tests.support.paths import REPO_ROOT
+
+# The page is asked less often than a process table: each look is a round trip to the browser.
+wait_for = functools.partial(processes.wait_for, poll=0.2)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -79,18 +83,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
-    """``predicate()``'s first truthy value, polled until ``timeout``; else TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(poll)
 
 
 def end_processes(procs: list[psutil.Process], timeout: float = 10.0) -> list[str]:

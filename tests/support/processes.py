@@ -26,7 +26,7 @@ def listening_ports(pids: set[int]) -> set[int]:
     return ports
 
 
-def wait_for(predicate, timeout: float = 300.0, what: str = "the condition"):
+def wait_for(predicate, timeout: float = 300.0, what: str = "the condition", poll: float = 0.05):
     """Poll ``predicate`` until it returns something true (returned); an event, not a time:
     ``timeout`` is an upper bound that only a real failure reaches."""
     deadline = time.monotonic() + timeout
@@ -36,7 +36,7 @@ def wait_for(predicate, timeout: float = 300.0, what: str = "the condition"):
             return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen in {timeout}s")
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def wait_until_gone(pids, timeout: float = 5.0) -> list[int]:
