@@ -68,15 +68,21 @@ def is_consequence(end: ProcessEnd) -> bool:
     return bool(chain) and bool(_PEER_LOST.search(chain[-1]["text"]))
 
 
+# Signals the supervisor never sends: a process that died of one died of its own fault, even
+# when its exit was seen only after the stop began (a peer's lost-connection error can come
+# first: the dying process's sockets close before it is reaped).
+_FAULTS = {-int(s) for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT)}
+
+
 def _was_stopped(end: ProcessEnd) -> bool:
     """Killed by the supervisor's stop, with nothing of its own to say."""
-    return end.stopped and end.record is None
+    return end.stopped and end.record is None and end.returncode not in _FAULTS and not end.fault
 
 
 def root_cause(ends: list[ProcessEnd]) -> ProcessEnd | None:
     """The earliest failure, preferring real causes over peers' lost-connection errors and
     processes the supervisor stopped; when only lost connections remain, the process that
-    left first."""
+    left first, else the one that died of a signal the stop does not send."""
     failed = [e for e in ends if e.failed]
     if not failed:
         return None
@@ -86,6 +92,12 @@ def root_cause(ends: list[ProcessEnd]) -> ProcessEnd | None:
     left = [e for e in ends if e.left]
     if left:
         return min(left, key=lambda e: e.failed_at)
+    # Only lost connections: a peer went away.  One that died silently of a signal the stop
+    # does not end ranks with (it sends SIGTERM) went away first, whenever its exit was seen.
+    silent = [e for e in failed if e.record is None and (e.returncode or 0) < 0
+              and e.returncode not in (-signal.SIGTERM, -signal.SIGINT)]
+    if silent:
+        return min(silent, key=lambda e: e.failed_at)
     causes = [e for e in failed if not _was_stopped(e)] or failed
     return min(causes, key=lambda e: e.failed_at)
 

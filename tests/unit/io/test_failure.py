@@ -35,6 +35,15 @@ def end(key, code, at, record=None, stopped=False):
     ([end("rank0", 0, 1.0), end("rank1", 1, 2.0, ERROR)], "rank1", "rank1 failed: ValueError: bad"),
     # a signal death with no report is a cause
     ([end("rank0", -9, 1.0), end("rank1", 1, 1.01, LOST)], "rank0", "rank0 was killed by SIGKILL"),
+    # a segfault seen only after the stop began (rank 0's lost connection came first) is the cause
+    ([end("rank0", 1, 1.0, LOST), end("rank1", -11, 1.2, stopped=True)], "rank1",
+     "rank1 was killed by SIGSEGV"),
+    # ... and so is any death the stop cannot have caused
+    ([end("rank0", 1, 1.0, LOST), end("rank1", -6, 1.2, stopped=True)], "rank1",
+     "rank1 was killed by SIGABRT"),
+    # a rank that SIGKILLed itself, seen only after rank 1's lost connection began the stop
+    ([end("rank1", 1, 1.0, LOST), end("rank0", -9, 1.2, stopped=True)], "rank0",
+     "rank0 was killed by SIGKILL"),
     # a loader worker that was done before is no cause
     ([end("loader:dl:0", 0, 0.5), end("rank0", 1, 1.0, LOST), end("rank1", 0, 1.05)], "rank1",
      "rank1 exited (code 0) while the other ranks were still running"),
