@@ -65,6 +65,16 @@ def stop() -> None:
         _stop.set()
 
 
+def gpu_memory(gpu: int | None) -> int | None:
+    """Bytes torch's tensors hold on CUDA device ``gpu`` (the panel's and ``%taas``'s figure),
+    or None: no GPU, or CUDA not initialised by the cell (never initialised from here)."""
+    torch = sys.modules.get("torch")
+    if gpu is None or torch is None or not torch.cuda.is_initialized():
+        return None
+    # The device explicitly: a helper thread's current device is not the main thread's.
+    return int(torch.cuda.memory_allocated(gpu))
+
+
 def _beat(main: int, filename: str, device: str, stop: threading.Event) -> None:
     # The first beat comes a second in: the panel shows from two seconds into a job, and a
     # cell that ends sooner never pays for psutil's import and a first sample.
@@ -107,11 +117,7 @@ class Sampler:
                 "data": _data_figures()}
 
     def _gpu_memory(self) -> int | None:
-        torch = sys.modules.get("torch")
-        if self.gpu is None or torch is None or not torch.cuda.is_initialized():
-            return None  # never initialise CUDA from here
-        # The device explicitly: this thread's current device is not the main thread's.
-        return int(torch.cuda.memory_allocated(self.gpu))
+        return gpu_memory(self.gpu)
 
     def _gpu_utilisation(self) -> int | None:
         torch = sys.modules.get("torch")

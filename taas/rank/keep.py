@@ -69,7 +69,9 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
     heartbeat.stop()  # an idle kept rank sends nothing until its next cell
     sys.stdout.flush()
     sys.stderr.flush()
-    events.send("done", failed=failed)
+    # What the rank's tensors hold on its GPU as it waits (%taas shows it between cells).
+    gpu = int(os.environ.get("LOCAL_RANK", "0")) if payload.device == "cuda" else None
+    events.send("done", failed=failed, gpu_mem=heartbeat.gpu_memory(gpu))
 
 
 def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict,

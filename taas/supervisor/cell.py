@@ -128,6 +128,8 @@ class KeptCell:
             raise
         finally:
             kept.last_used = time.monotonic()
+            if watch is not None:
+                kept.gpu_mem.update(watch.gpu_mem)
         kept.handle.cell_done()  # every rank came back: what rank 0 wrote is the notebook's now
         if failed:
             sup.transition(Ev.FAILURE)

@@ -53,6 +53,7 @@ class Up:
 @dataclass(frozen=True)
 class Done:
     failed: bool = False  # a kept rank whose cell raised: its report is written, it waits on
+    gpu_mem: int | None = None  # a kept rank's: bytes its tensors hold on its GPU (None: no GPU)
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,18 @@ def _comm(m: dict) -> Comm:
 BEAT_STATES = ("starting", "running", "waiting")
 
 
+def _count_or_none(v: Any) -> bool:
+    return v is None or (_int(v) and v >= 0)
+
+
+def _done(m: dict) -> Done:
+    # Lenient on purpose: a "done" dropped as malformed would leave a kept cell waiting for a
+    # rank that came back; a bad figure is only a figure not shown.
+    gpu_mem = m.get("gpu_mem")
+    return Done(failed=m.get("failed") is True, gpu_mem=gpu_mem if _count_or_none(gpu_mem) else None)
+
+
 def _beat(m: dict) -> Beat:
-    def count_or_none(v: Any) -> bool:
-        return v is None or (_int(v) and v >= 0)
 
     def figures(v: Any) -> bool:  # loader -> [units, seconds waited]
         return isinstance(v, dict) and all(
@@ -169,8 +179,8 @@ def _beat(m: dict) -> Beat:
         node=_field(m, "node", lambda v: _int(v) and v >= 0, "a node number", 0),
         cpu=float(_field(m, "cpu", lambda v: _number(v) and v >= 0, "a percentage", 0.0)),
         rss=_field(m, "rss", lambda v: _int(v) and v >= 0, "a count", 0),
-        gpu_mem=_field(m, "gpu_mem", count_or_none, "a count", None),
-        gpu_util=_field(m, "gpu_util", count_or_none, "a percentage", None),
+        gpu_mem=_field(m, "gpu_mem", _count_or_none, "a count", None),
+        gpu_util=_field(m, "gpu_util", _count_or_none, "a percentage", None),
         data=tuple((name, units, float(wait)) for name, (units, wait) in data.items()),
     )
 
@@ -211,7 +221,7 @@ _READERS: dict[str, Callable[[dict], Message]] = {
     "display": _display,
     "stack": _stack,
     "up": lambda m: Up(),
-    "done": lambda m: Done(failed=m.get("failed") is True),
+    "done": lambda m: _done(m),
     "comm": _comm,
     "metrics": _metrics,
     "beat": _beat,

@@ -43,6 +43,7 @@ class Kept:
         # The first cell's results channel (taas.job.memory.returns), kept for the ranks' life:
         # their rank 0 holds its other end, so every kept cell's big results come back on it.
         self.channel = None
+        self.gpu_mem: dict[str, int] = {}  # rank -> GPU bytes its tensors held after its last cell
 
     def remember(self, name: str, value) -> None:
         """The ranks now hold ``value`` under ``name`` (it was shipped, or brought back)."""
@@ -73,10 +74,14 @@ class Kept:
         memory = ", ".join(f"{k} {rss / 2**20:.0f} MiB" for k, rss in sorted(
             self.handle.memory().items(), key=lambda kv: names.order(kv[0])))
         reserved = self.handle.reserved()
+        # Told by the ranks as each cell ended (torch's allocated bytes, as the rank panel shows).
+        gpu = ", ".join(f"{k} {b / 2**20:.0f} MiB" for k, b in sorted(
+            self.gpu_mem.items(), key=lambda kv: names.order(kv[0])))
         return (f"kept ranks: {self.world.size} on {self.world.device}/{self.world.backend} on "
                 f"{self.launcher.where}, {self.cells} cell(s), idle {_span(self.idle())}{limit}"
                 + (f"; {reserved}" if reserved else "")
-                + (f"; memory (RSS) {memory}" if memory else ""))
+                + (f"; memory (RSS) {memory}" if memory else "")
+                + (f"; GPU memory (torch, after the last cell) {gpu}" if gpu else ""))
 
     def flag(self) -> str:
         return "--keep" if math.isinf(self.limit) else f"--keep {self.limit:g}s"

@@ -207,6 +207,7 @@ class Watch:
         self.lines: dict[str, LineSplitter] = {}
         self.stacks: dict[str, events.Stack] = {}  # rank key -> its latest answer to "where are you?"
         self.done: set[str] = set()  # ranks that ran the cell to its end (a "done" event)
+        self.gpu_mem: dict[str, int] = {}  # kept ranks: GPU bytes each holds as it said done
         self.up: set[str] = set()  # ranks that started (an "up" event): they answer stack requests
         self.up_at: float | None = None  # when the last of them did: --stall counts from there
         self.last_output = time.monotonic()
@@ -281,6 +282,8 @@ class Watch:
             self.board.beat(key, message)
         elif isinstance(message, events.Done):
             self.done.add(key)
+            if message.gpu_mem is not None:
+                self.gpu_mem[key] = message.gpu_mem
             self.board.done(key)
         elif isinstance(message, events.Up):
             self.up.add(key)

@@ -27,6 +27,9 @@ def line(**message) -> str:
     (line(kind="up"), Up()),
     (line(kind="done"), Done()),
     (line(kind="done", extra="ignored"), Done()),
+    (line(kind="done", failed=False, gpu_mem=None), Done()),
+    (line(kind="done", failed=True, gpu_mem=3 << 20), Done(failed=True, gpu_mem=3 << 20)),
+    (line(kind="done", gpu_mem="lots"), Done()),  # a bad figure never loses a rank's "done"
     (line(kind="comm", ops=12), Comm(12)),
     (line(kind="comm", ops=None), Comm(None)),
 ])

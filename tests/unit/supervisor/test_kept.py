@@ -89,6 +89,9 @@ def test_describe_and_flag():
     line = k.describe()
     assert line.startswith("kept ranks: 2 on cpu/gloo on this machine, 0 cell(s), idle 0 s")
     assert "released after 90 s idle" in line
+    assert "GPU memory" not in line  # the ranks said none (CPU ranks)
+    k.gpu_mem.update({"rank1": 512 << 20, "rank0": 1 << 30})
+    assert k.describe().endswith("; GPU memory (torch, after the last cell) rank0 1024 MiB, rank1 512 MiB")
 
 
 def test_the_idle_limit_releases_and_the_next_cell_says_why():
