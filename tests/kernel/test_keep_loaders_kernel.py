@@ -18,6 +18,7 @@ import pytest
 from tests.support import ranks
 from tests.support.kernel_driver import (Kernel, cell, plain, process_name, shm_entries, wait_for,
                                          wait_until_gone)
+from tests.support.launchers import on_both_launchers
 
 pytestmark = pytest.mark.kernel
 
@@ -58,12 +59,13 @@ print("LOG", json.dumps([os.getpid(), got]))
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = Kernel(str(tmp_path_factory.mktemp("notebook")))
-    run = k.run(cell(SETUP))
-    assert run.error is None, run.traceback
-    yield k
-    k.shutdown()
+def kernel(kernel):
+    """The module's kernel on its launcher (tests/conftest.py's) with SETUP run in it once:
+    pytest sets this up again when the launcher changes, and may come back to a kernel."""
+    if kernel.run("'Own' in dir()").result != "True":
+        run = kernel.run(cell(SETUP))
+        assert run.error is None, run.traceback
+    return kernel
 
 
 def _ok(run):
@@ -95,6 +97,7 @@ def _data_maps(pid: int) -> list[str]:
         return re.findall(r"/dev/shm/(taas-[0-9a-f]{12}-\d+\S*)", f.read())
 
 
+@on_both_launchers
 def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(kernel, clean):
     shm_before = shm_entries()
     try:
@@ -137,6 +140,7 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(ke
     assert leftover == set()
 
 
+@on_both_launchers
 @pytest.mark.parametrize("how, expected", [
     ("raise", "loader:bad_raise:0 failed: ValueError: sample 13 is corrupt"),
     ("kill", "loader:bad_kill:0 was killed by SIGKILL"),
@@ -213,6 +217,7 @@ def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_
         k.shutdown()
 
 
+@on_both_launchers
 def test_an_interrupt_of_a_kept_cell_reading_a_loader_keeps_the_ranks_and_ends_the_workers(kernel, clean):
     _ok(kernel.run("crawl = DataLoader(Own(2000), batch_size=1)\ntaas.register(crawl)"))
     try:
