@@ -1,7 +1,14 @@
 """--keep through a real kernel: ranks that live between cells (issue 16, one machine).
 
 Each test ends its kept ranks (``%taas release``) so that ``clean`` finds nothing but the warm
-start process."""
+start process.
+
+The tests marked ``on_both_launchers`` also run on the second launcher
+(tests/support/private_launcher.py): together they call every kept-ranks method of the launcher
+contract on it (next_cell, lost, interrupt, memory and running_pids, reserved, cell_done; fileno
+in test_keep_loaders_kernel.py).  The others run on the local launcher only, to keep the suite's
+time: what they add is the kernel's side (the Keeper's choices, the watch giving up), and on a
+launcher they end in ``stop`` and ``close``, which every kept test ends with too."""
 
 from __future__ import annotations
 
@@ -56,7 +63,7 @@ def test_kept_ranks_keep_their_namespace_and_are_shown_and_released(kernel, clea
     assert "no kept ranks" in _ok(kernel.run("%taas release")).stdout
 
 
-@on_both_launchers
+# Local launcher only (suite time): the Keeper's choice; the launcher sees stop and close.
 def test_another_world_or_fresh_ends_the_kept_ranks_first(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nx = 1"))
     pids = _rank_pids(kernel)
@@ -136,7 +143,7 @@ def test_a_rank_that_dies_loses_the_state_in_one_line(kernel, clean):
     assert wait_until_gone(pids) == []
 
 
-@on_both_launchers
+# Local launcher only (suite time): the Keeper's timer; the launcher sees stop and close.
 def test_idle_limit_releases_the_ranks_and_the_next_cell_says_why(kernel, clean):
     _ok(kernel.run("#pragma taas --gpus 2 --keep 2s\nx = 1"))
     pids = _rank_pids(kernel)
@@ -197,7 +204,7 @@ def test_killed_kernel_leaves_no_kept_rank(workdir, kernel_launcher):
         k.shutdown()
 
 
-@on_both_launchers
+# Local launcher only (suite time): the watch gives up; the launcher sees stop and close.
 def test_a_rank_stuck_in_a_collective_after_a_peer_raised_loses_the_state(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nkept = 1"))
     pids = _rank_pids(kernel)
@@ -219,7 +226,8 @@ def test_a_rank_stuck_in_a_collective_after_a_peer_raised_loses_the_state(kernel
     assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
 
 
-@on_both_launchers
+# Local launcher only (suite time): interrupt is covered on both by
+# test_a_failed_cell_and_an_interrupt_keep_the_state; what follows is stop and close.
 def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nimport time, torch.distributed as dist\nkept = 1"))
     pids = _rank_pids(kernel)
