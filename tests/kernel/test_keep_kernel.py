@@ -1,7 +1,14 @@
 """--keep through a real kernel: ranks that live between cells (issue 16, one machine).
 
 Each test ends its kept ranks (``%taas release``) so that ``clean`` finds nothing but the warm
-start process."""
+start process.
+
+The tests marked ``on_both_launchers`` also run on the second launcher
+(tests/support/private_launcher.py): together they call every kept-ranks method of the launcher
+contract on it (next_cell, lost, interrupt, memory and running_pids, reserved, cell_done; fileno
+in test_keep_loaders_kernel.py).  The others run on the local launcher only, to keep the suite's
+time: what they add is the kernel's side (the Keeper's choices, the watch giving up), and on a
+launcher they end in ``stop`` and ``close``, which every kept test ends with too."""
 
 from __future__ import annotations
 
@@ -11,8 +18,9 @@ import time
 
 import pytest
 
-from tests.support.kernel_driver import (Kernel, cell, is_alive, one_line_usage_error, plain,
-                                         process_name, wait_for, wait_until_gone)
+from tests.support.kernel_driver import (cell, is_alive, one_line_usage_error, plain, process_name, wait_for,
+                                         wait_until_gone)
+from tests.support.launchers import kernel_on, on_both_launchers
 from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
@@ -27,6 +35,7 @@ def _ok(run):
     return run
 
 
+@on_both_launchers
 def test_kept_ranks_keep_their_namespace_and_are_shown_and_released(kernel, clean):
     _ok(kernel.run(cell("""
         %%taas --gpus 2 --keep
@@ -54,6 +63,7 @@ def test_kept_ranks_keep_their_namespace_and_are_shown_and_released(kernel, clea
     assert "no kept ranks" in _ok(kernel.run("%taas release")).stdout
 
 
+# Local launcher only (suite time): the Keeper's choice; the launcher sees stop and close.
 def test_another_world_or_fresh_ends_the_kept_ranks_first(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nx = 1"))
     pids = _rank_pids(kernel)
@@ -71,6 +81,7 @@ def test_another_world_or_fresh_ends_the_kept_ranks_first(kernel, clean):
     _ok(kernel.run("%taas release"))
 
 
+@on_both_launchers
 def test_a_failed_cell_and_an_interrupt_keep_the_state(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nimport os, time\npid = os.getpid()\nkept = 'yes'"))
     pids = _rank_pids(kernel)
@@ -100,6 +111,7 @@ def test_a_failed_cell_and_an_interrupt_keep_the_state(kernel, clean):
     assert wait_until_gone(pids) == []
 
 
+@on_both_launchers
 def test_a_rank_that_dies_loses_the_state_in_one_line(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nimport os, signal\nkept = 1"))
     pids = _rank_pids(kernel)
@@ -131,6 +143,7 @@ def test_a_rank_that_dies_loses_the_state_in_one_line(kernel, clean):
     assert wait_until_gone(pids) == []
 
 
+# Local launcher only (suite time): the Keeper's timer; the launcher sees stop and close.
 def test_idle_limit_releases_the_ranks_and_the_next_cell_says_why(kernel, clean):
     _ok(kernel.run("#pragma taas --gpus 2 --keep 2s\nx = 1"))
     pids = _rank_pids(kernel)
@@ -142,11 +155,13 @@ def test_idle_limit_releases_the_ranks_and_the_next_cell_says_why(kernel, clean)
     assert len(lines) == 1 and "--keep 2s" in lines[0], run.stderr
 
 
+@on_both_launchers
 def test_keep_with_max_restarts_is_a_usage_error(kernel, clean):
     run = kernel.run("%%taas --gpus 2 --keep --max-restarts 1\nx = 1")
     assert "--keep cannot be combined with --max-restarts" in one_line_usage_error(run)
 
 
+@on_both_launchers
 def test_an_unchanged_tensor_is_not_sent_again(kernel, clean):
     _ok(kernel.run("import torch\nt = torch.zeros(3)"))
     _ok(kernel.run("%%taas --gpus 2 --keep\nfloat(t.sum())"))
@@ -163,8 +178,9 @@ def test_an_unchanged_tensor_is_not_sent_again(kernel, clean):
     _ok(kernel.run("%taas release"))
 
 
-def test_unload_ext_ends_the_kept_ranks(workdir):
-    k = Kernel(str(workdir))
+@on_both_launchers
+def test_unload_ext_ends_the_kept_ranks(workdir, kernel_launcher):
+    k = kernel_on(kernel_launcher, str(workdir))
     try:
         _ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
         pids = _rank_pids(k)
@@ -175,8 +191,9 @@ def test_unload_ext_ends_the_kept_ranks(workdir):
         k.shutdown()
 
 
-def test_killed_kernel_leaves_no_kept_rank(workdir):
-    k = Kernel(str(workdir))
+@on_both_launchers
+def test_killed_kernel_leaves_no_kept_rank(workdir, kernel_launcher):
+    k = kernel_on(kernel_launcher, str(workdir))
     try:
         _ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
         tree = [p.pid for p in k.descendants()]
@@ -187,6 +204,7 @@ def test_killed_kernel_leaves_no_kept_rank(workdir):
         k.shutdown()
 
 
+# Local launcher only (suite time): the watch gives up; the launcher sees stop and close.
 def test_a_rank_stuck_in_a_collective_after_a_peer_raised_loses_the_state(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nkept = 1"))
     pids = _rank_pids(kernel)
@@ -208,6 +226,8 @@ def test_a_rank_stuck_in_a_collective_after_a_peer_raised_loses_the_state(kernel
     assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
 
 
+# Local launcher only (suite time): interrupt is covered on both by
+# test_a_failed_cell_and_an_interrupt_keep_the_state; what follows is stop and close.
 def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel, clean):
     _ok(kernel.run("%%taas --gpus 2 --keep\nimport time, torch.distributed as dist\nkept = 1"))
     pids = _rank_pids(kernel)
@@ -237,6 +257,7 @@ def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel,
     assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
 
 
+@on_both_launchers
 def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
     """Kept cells back to back (each reads an unchanged notebook tensor and binds a result):
     after the first few (imports done, caches warm) nothing grows per cell, in the kernel or in
@@ -283,6 +304,7 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
         assert rss1 - rss0 < 32 << 20, (before, after)  # 30 cells: no per-cell growth
 
 
+@on_both_launchers
 def test_big_results_of_kept_cells_come_back_as_memory_files_every_cell(kernel, clean):
     """The first kept cell's results channel lives as long as the kept ranks: a big tensor
     rank 0 binds comes back as a shared-memory storage (not inside the pickle) in every cell."""
@@ -294,6 +316,7 @@ def test_big_results_of_kept_cells_come_back_as_memory_files_every_cell(kernel, 
     _ok(kernel.run("%taas release"))
 
 
+@on_both_launchers
 def test_kept_cells_feed_taas_metrics_and_the_plot_as_one_cell_jobs_do(kernel, clean):
     """Each kept cell is a job of its own for taas.log: its rows under its own id, drawn in the
     cell, steps counted from 0 again (taas.log without step=)."""

@@ -3,7 +3,9 @@ loader gets loader workers of its own and every unit once, on the same rank proc
 workers, their shared memory and the ranks' views of it end with the cell; a loader failure is
 shown as in a one-cell job and the kept ranks stay.
 
-Each test releases its kept ranks, so that ``clean`` finds nothing but the warm start process."""
+Each test releases its kept ranks, so that ``clean`` finds nothing but the warm start process.
+Those marked ``on_both_launchers`` also run on the second launcher (tests/support/private_launcher.py):
+a kept job and each cell's loader job side by side, watched as one through ``JobHandle.fileno``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 from tests.support import ranks
 from tests.support.kernel_driver import (Kernel, cell, plain, process_name, shm_entries, wait_for,
                                          wait_until_gone)
+from tests.support.launchers import on_both_launchers
 
 pytestmark = pytest.mark.kernel
 
@@ -58,12 +61,13 @@ print("LOG", json.dumps([os.getpid(), got]))
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = Kernel(str(tmp_path_factory.mktemp("notebook")))
-    run = k.run(cell(SETUP))
-    assert run.error is None, run.traceback
-    yield k
-    k.shutdown()
+def kernel(kernel):
+    """The module's kernel on its launcher (tests/conftest.py's) with SETUP run in it once:
+    pytest sets this up again when the launcher changes, and may come back to a kernel."""
+    if kernel.run("'Own' in dir()").result != "True":
+        run = kernel.run(cell(SETUP))
+        assert run.error is None, run.traceback
+    return kernel
 
 
 def _ok(run):
@@ -95,6 +99,7 @@ def _data_maps(pid: int) -> list[str]:
         return re.findall(r"/dev/shm/(taas-[0-9a-f]{12}-\d+\S*)", f.read())
 
 
+@on_both_launchers
 def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(kernel, clean):
     shm_before = shm_entries()
     try:
@@ -137,6 +142,9 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(ke
     assert leftover == set()
 
 
+# Local launcher only (suite time): the failure reaches the ranks through the transport
+# (plane.fail); on the launcher it is one more exit of the loader job, which the tests on both
+# launchers see too (workers that sent their units end while the kept ranks stay).
 @pytest.mark.parametrize("how, expected", [
     ("raise", "loader:bad_raise:0 failed: ValueError: sample 13 is corrupt"),
     ("kill", "loader:bad_kill:0 was killed by SIGKILL"),
@@ -186,6 +194,9 @@ def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, cle
     assert wait_until_gone(pids) == []
 
 
+# Local launcher only: the second launcher runs LaunchSpec.cleanups when its handle closes, but
+# has no process that outlives a killed kernel to run them (as test_kernel.py's killed-kernel
+# tests, local only), so the cell's shared memory would stay.
 def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_path):
     k = Kernel(str(tmp_path))
     try:
@@ -213,6 +224,7 @@ def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_
         k.shutdown()
 
 
+@on_both_launchers
 def test_an_interrupt_of_a_kept_cell_reading_a_loader_keeps_the_ranks_and_ends_the_workers(kernel, clean):
     _ok(kernel.run("crawl = DataLoader(Own(2000), batch_size=1)\ntaas.register(crawl)"))
     try:

@@ -6,7 +6,8 @@ per process, nothing shared through files), selected the way a user would, with
 ``TAAS_LAUNCHER``.  A core real-kernel test marked :data:`on_both_launchers` runs once on each,
 unchanged: that it passes on an implementation so unlike the local one is what proves the
 launcher contract (results back, torchrun's environment, a failing rank's traceback, exits and
-signals, the timeout and its hang doctor, interrupt, the storage rule, restarts).
+signals, the timeout and its hang doctor, interrupt, the storage rule, restarts, kept ranks
+and a kept cell's loader job beside them).
 
 The parameter goes to the ``kernel_launcher`` fixture (tests/conftest.py), which both ``kernel``
 and ``workdir`` follow: each launcher's kernel has its own working directory, as if it were

@@ -7,10 +7,16 @@ and gives each one its own private temporary root: the job's files are copied in
 process's root, and what a process leaves there (report, fault dump, results, layer) is read
 back from that root only.  Nothing is shared through files; the session and supervisor must not
 notice.  Selected with ``TAAS_LAUNCHER=tests.support.private_launcher:PrivateLauncher``.
+
+It keeps ranks (``--keep``) through the contract's kept-ranks calls alone: each rank makes its
+cell FIFO (:mod:`taas.launch.process.cells`) in its own root, so ``next_cell`` writes the cell's
+files into every root and sends the cell down each rank's FIFO there; whether a process is gone
+is its ``Popen``'s to say; ``interrupt`` is ``Popen.send_signal``; memory is asked of psutil.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -22,15 +28,19 @@ import sys
 import tempfile
 import time
 
-from taas.errors import LaunchError
+from taas.errors import KeptRanksGone, LaunchError
 from taas.launch import rendezvous
-from taas.launch.api import JobHandle, Launcher, LaunchSpec, OutputChunk, ProcessExit, Topology
+from taas.launch.api import (RESULT, JobHandle, Launcher, LaunchSpec, OutputChunk, ProcessExit, Topology,
+                             error_name)
+from taas.launch.process import cells
 from tests.support.paths import with_repo_on_path
 
 _STREAMS = ("stdout", "stderr", "events")
 
 
 class PrivateLauncher(Launcher):
+    keeps_ranks = True  # PrivateJob's kept-ranks calls: a FIFO per rank in its own root
+
     def __init__(self):
         self.jobs: list[PrivateJob] = []
 
@@ -64,15 +74,16 @@ class PrivateJob(JobHandle):
         self.readers: dict[int, tuple[str, str]] = {}
         self.selector = selectors.DefaultSelector()
         self.exited: set[str] = set()
+        self.stopped = False
         self.closed = False
+        # What the last cell put in (or had rank 0 leave in) every root: the next cell removes it.
+        self.cell_files: set[str] = set(spec.files) | {RESULT}
 
     # -- starting ------------------------------------------------------------------------
     def spawn(self, proc, port: int) -> None:
         spec = self.spec
         root = self.roots[proc.key] = tempfile.mkdtemp(prefix=f"taas-private-{proc.key}-")
-        for name, data in spec.files.items():
-            with open(os.path.join(root, name), "wb") as f:
-                f.write(data)
+        _put(root, spec.files)
         env = dict(os.environ, **proc.env, TAAS_JOB_DIR=root, TMPDIR=root,
                    GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
         if proc.rank is not None:
@@ -149,6 +160,7 @@ class PrivateJob(JobHandle):
         return out + self._exits()
 
     def stop(self, grace: float = 1.0) -> None:
+        self.stopped = True
         live = [p for k, p in self.procs.items() if p.poll() is None]
         for popen in live:
             _killpg(popen.pid, signal.SIGTERM)
@@ -176,6 +188,63 @@ class PrivateJob(JobHandle):
         from taas.launch.local.jobdir import layers  # each private root has the job directory's layout
 
         return [layer for root in self.roots.values() for layer in layers(root)]
+
+    # -- kept ranks (the contract's optional part) ---------------------------------------------
+    def lost(self) -> str | None:
+        if self.stopped:
+            return "the job's processes were stopped"
+        for key, popen in self.procs.items():
+            code = popen.poll()  # not reported here: the next events() still has the exit
+            if code is not None:
+                return f"{key} ended ({_ending(code)})"
+        return None
+
+    def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
+        why = self.lost()
+        if why is not None:
+            raise KeptRanksGone(why)
+        ranks = [proc.key for proc in self.spec.processes if proc.rank is not None]
+        try:
+            for key in ranks:  # every root first: no rank gets a cell whose files another lacks
+                root = self.roots[key]
+                for name in self.cell_files | {error_name(key)}:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(root, name))
+                _put(root, files)
+        except OSError as exc:
+            raise LaunchError(f"could not write the cell's files for the kept ranks: {exc.strerror}") from None
+        self.cell_files = set(files) | {result}
+        for key in ranks:
+            try:
+                cells.send(self.roots[key], key, cells.NextCell(payload, result))
+            except OSError as exc:  # its FIFO has no reader: the rank ended this instant
+                raise LaunchError(f"the kept ranks are gone: {key} cannot be reached ({exc.strerror})") from None
+
+    def interrupt(self, keys) -> list[str]:
+        signalled = []
+        for key in keys:
+            popen = self.procs.get(key)
+            if popen is not None and popen.poll() is None:
+                popen.send_signal(signal.SIGINT)  # the rank is the interpreter itself: its main thread
+                signalled.append(key)
+        return signalled
+
+    def running_pids(self) -> dict[str, int]:
+        return {key: popen.pid for key, popen in self.procs.items() if popen.poll() is None}
+
+    def memory(self) -> dict[str, int]:
+        import psutil
+
+        rss = {}
+        for key, pid in self.running_pids().items():
+            with contextlib.suppress(psutil.Error):  # ended meanwhile
+                rss[key] = psutil.Process(pid).memory_info().rss
+        return rss
+
+    def fileno(self) -> int | None:
+        """The selector's own descriptor (epoll): readable once a pipe of this job is.  Exits are
+        seen by polling each Popen, which :meth:`events` does however it was woken."""
+        return None if self.closed else self.selector.fileno()
 
     def close(self) -> None:
         if self.closed:
@@ -206,6 +275,21 @@ class PrivateJob(JobHandle):
         self.closed = True
 
 
+def _put(root: str, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(data)
+
+
+def _ending(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -215,16 +299,19 @@ def _killpg(pgid: int, sig: int) -> None:
 
 def _run(root: str, parent: int) -> int:
     """The process side: a fresh interpreter becomes the process described in ``root``."""
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the kernel
+    libc = ctypes.CDLL(None)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the kernel
     if os.getppid() != parent:
         return 70
     with open(os.path.join(root, "spec.pkl"), "rb") as f:
         spec, cwd = pickle.load(f)
+    # PR_SET_NAME: `ps` (and the tests, which find ranks by name) tell this interpreter's role.
+    libc.prctl(15, ctypes.c_char_p(f"taas-{spec.key}".encode()[:15]), 0, 0, 0)
     from taas.launch.local.child import apply_storage
 
     os.chdir(cwd)
     warning, storage = apply_storage(spec, cwd)
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # a new namespace reset it
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # a new namespace reset it
     if os.getppid() != parent:
         return 70
     sys.stdout.reconfigure(line_buffering=True)
