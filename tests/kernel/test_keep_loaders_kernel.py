@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from tests.support import ranks
-from tests.support.kernel_driver import (Kernel, cell, plain, process_name, shm_entries, wait_for,
+from tests.support.kernel_driver import (cell, plain, process_name, shm_entries, wait_for,
                                          wait_until_gone)
-from tests.support.launchers import on_both_launchers
+from tests.support.launchers import kernel_on, on_both_launchers
 
 pytestmark = pytest.mark.kernel
 
@@ -194,11 +194,9 @@ def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, cle
     assert wait_until_gone(pids) == []
 
 
-# Local launcher only: the second launcher runs LaunchSpec.cleanups when its handle closes, but
-# has no process that outlives a killed kernel to run them (as test_kernel.py's killed-kernel
-# tests, local only), so the cell's shared memory would stay.
-def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_path):
-    k = Kernel(str(tmp_path))
+@on_both_launchers
+def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_path, kernel_launcher):
+    k = kernel_on(kernel_launcher, str(tmp_path))
     try:
         assert k.run(cell(SETUP)).error is None
         _ok(k.run("%%taas --gpus 2 --keep\nx = 1"))

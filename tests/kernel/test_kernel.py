@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.kernel_driver import (Kernel, cell, one_line_usage_error, open_files, process_name, wait_for,
                                          wait_until_gone)
-from tests.support.launchers import on_both_launchers
+from tests.support.launchers import kernel_on, on_both_launchers
 from tests.support.ranks import per_rank
 
 pytestmark = pytest.mark.kernel
@@ -258,8 +258,9 @@ def test_interrupt_stops_every_rank(kernel, clean):
     assert again.error is None and "[rank0] next" in per_rank(again.stdout)
 
 
-def test_killed_kernel_leaves_no_worker(workdir):
-    k = Kernel(str(workdir))
+@on_both_launchers
+def test_killed_kernel_leaves_no_worker(workdir, kernel_launcher):
+    k = kernel_on(kernel_launcher, str(workdir))
     try:
         k.execute("%%taas --gpus 2\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
 
@@ -269,9 +270,11 @@ def test_killed_kernel_leaves_no_worker(workdir):
 
         wait_for(lambda: len(fault_files()) == 2, what="both ranks running")
         tree = [p.pid for p in k.descendants()]
-        assert len(tree) >= 3, tree  # start process + 2 ranks
+        assert len(tree) >= 3, tree  # start process (the second launcher: its watcher) + 2 ranks
         job_dirs = {os.path.dirname(path) for path in fault_files()}
-        assert len(job_dirs) == 1 and all(os.path.isdir(d) for d in job_dirs)
+        # One job directory; the second launcher gives each process a private root.
+        assert len(job_dirs) == (1 if kernel_launcher == "local" else 2)
+        assert all(os.path.isdir(d) for d in job_dirs)
         os.kill(k.pid, signal.SIGKILL)
         assert wait_until_gone(tree, timeout=5) == []
         assert not any(os.path.exists(d) for d in job_dirs), "the job directory was left behind"

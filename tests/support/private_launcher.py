@@ -50,6 +50,7 @@ class PrivateLauncher(Launcher):
         try:
             for proc in spec.processes:
                 job.spawn(proc, port)
+            job.watch()
         except BaseException:  # a failed start leaves nothing
             job.close()
             raise
@@ -76,6 +77,7 @@ class PrivateJob(JobHandle):
         self.exited: set[str] = set()
         self.stopped = False
         self.closed = False
+        self.watcher: subprocess.Popen | None = None
         # What the last cell put in (or had rank 0 leave in) every root: the next cell removes it.
         self.cell_files: set[str] = set(spec.files) | {RESULT}
 
@@ -115,6 +117,18 @@ class PrivateJob(JobHandle):
             os.set_blocking(fd, False)
             self.readers[fd] = (proc.key, stream)
             self.selector.register(fd, selectors.EVENT_READ)
+
+    def watch(self) -> None:
+        """The contract's "when the kernel died": a watcher of our own (not the local
+        launcher's guard) that outlives the kernel.  It waits for its stdin to end: a line
+        from :meth:`close` first means all is done; no line means the kernel died, and then it
+        kills the processes' groups, runs the job's cleanups and removes the roots."""
+        what = pickle.dumps(([p.pid for p in self.procs.values()], list(self.roots.values()),
+                             list(self.spec.cleanups)))
+        env = with_repo_on_path(dict(os.environ))
+        self.watcher = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.private_launcher", "--watch", what.hex()],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True)
 
     # -- the contract --------------------------------------------------------------------
     @property
@@ -272,6 +286,12 @@ class PrivateJob(JobHandle):
                 getattr(importlib.import_module(module), function)(*args)
             except Exception:  # a hook's errors are ignored (launch.api: LaunchSpec.cleanups)
                 pass
+        if self.watcher is not None:  # all is done: the watcher leaves without doing anything
+            try:
+                self.watcher.communicate(b"closed\n", timeout=10)
+            except subprocess.TimeoutExpired:
+                self.watcher.kill()
+                self.watcher.wait()
         self.closed = True
 
 
@@ -295,6 +315,27 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _watch(what: str) -> int:
+    """The watcher's side (:meth:`PrivateJob.watch`)."""
+    pgids, roots, cleanups = pickle.loads(bytes.fromhex(what))
+    if sys.stdin.buffer.readline():  # the job closed as usual
+        return 0
+    for pgid in pgids:  # the kernel died: end what it left, free what the job held
+        _killpg(pgid, signal.SIGKILL)
+    import importlib
+    import shutil
+
+    for entry, args in cleanups:
+        module, _, function = entry.partition(":")
+        try:
+            getattr(importlib.import_module(module), function)(*args)
+        except Exception:  # a hook's errors are ignored (launch.api: LaunchSpec.cleanups)
+            pass
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
 
 
 def _run(root: str, parent: int) -> int:
@@ -327,7 +368,7 @@ def _run(root: str, parent: int) -> int:
 
 
 if __name__ == "__main__":
-    code = _run(sys.argv[1], int(sys.argv[2]))
+    code = _watch(sys.argv[2]) if sys.argv[1] == "--watch" else _run(sys.argv[1], int(sys.argv[2]))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else 1)
