@@ -63,10 +63,7 @@ MAX_RESTARTS = 100
 
 def _positive_int(flag, limit=None, what=""):
     def convert(text):
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
+        value = _parsed(text, int)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {text!r}")
         if limit is not None and value > limit:
@@ -78,11 +75,16 @@ def _positive_int(flag, limit=None, what=""):
     return convert
 
 
-def _timeout(text):
+def _parsed(text: str, kind=float):
+    """``text`` as a number of ``kind``, or -1 when it is none (every option here wants >= 0)."""
     try:
-        value = float(text)
+        return kind(text)
     except ValueError:
-        value = -1.0
+        return kind(-1)
+
+
+def _timeout(text):
+    value = _parsed(text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(
             f"--timeout must be a positive number of seconds, got {text!r}")
@@ -90,10 +92,7 @@ def _timeout(text):
 
 
 def _stall(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
+    value = _parsed(text)
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(
             f"--stall must be a number of seconds (0 turns it off), got {text!r}")
@@ -101,10 +100,7 @@ def _stall(text):
 
 
 def _max_restarts(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
+    value = _parsed(text, int)
     if not 0 <= value <= MAX_RESTARTS:
         raise argparse.ArgumentTypeError(
             f"--max-restarts must be a whole number from 0 to {MAX_RESTARTS}, got {text!r}")
@@ -118,10 +114,7 @@ KEEP_DEFAULT = math.inf  # --keep without a limit: kept until released, the kern
 def _keep(text):
     """``--keep`` idle limit: ``90s``, ``30m``, ``2h`` or plain seconds."""
     number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
-    try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        value = -1.0
+    value = _parsed(number) * _UNITS[unit]
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(
             f"--keep takes an idle limit such as 90s, 30m or 2h, got {text!r}")

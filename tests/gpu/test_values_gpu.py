@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from tests.gpu.harness import Recorder
+
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -52,20 +54,6 @@ CELL = textwrap.dedent("""
 """)
 
 
-class _Lines:
-    """A taas.io.output.Sink that keeps what the job shows."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def write(self, stream: str, text: str) -> None:
-        self.lines.extend(text.splitlines())
-
-    def progress(self, key: str, stream: str, text: str, final: bool) -> None:
-        if final:
-            self.lines.append(text)
-
-
 @pytest.fixture
 def notebook(tmp_path, monkeypatch):
     """A Session and the notebook's namespace (its classes are __main__'s, as in a kernel)."""
@@ -82,9 +70,9 @@ def notebook(tmp_path, monkeypatch):
 def _run(session, namespace, options: str):
     from taas import directive
 
-    sink = _Lines()
+    sink = Recorder()
     result = session.run_cell(CELL, namespace, directive.parse_options(options), sink=sink)
-    return result, "\n".join(sink.lines)
+    return result, sink.text
 
 
 def test_notebook_cuda_values_land_on_the_ranks_device_and_results_on_cpu(notebook):
