@@ -17,9 +17,10 @@ kept job, both children of the node's start process.  So the agent holds its job
 id, and the per-job calls (:meth:`events`, :meth:`stop`, :meth:`layers`, :meth:`close`) name
 theirs (None: the one started last); a process's calls (:meth:`fetch`, :meth:`request_stacks`,
 :meth:`interrupt`) go to the job that has it, the kept-ranks calls to the kept job.  A start
-replaces an earlier job of its kind (with ranks, or without) that the kernel did not close.  The local job handle
-is not thread-safe, so :meth:`events` reads it in 50 ms slices under a lock, and a stop waits
-at most one slice.
+replaces an earlier job of its kind (with ranks, or without) that the kernel did not close.
+
+The local job handle is not thread-safe, so :meth:`events` reads it in 50 ms slices under a
+lock, and a stop waits at most one slice.
 
 Node 0's agent also hosts the attempt's rendezvous store (:meth:`host_store`), on its node's
 address, port 0: torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` arrangement across nodes.
