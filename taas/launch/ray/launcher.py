@@ -36,8 +36,10 @@ it sees it, once per node and directory), ``"shared"`` or ``"copy"`` (every node
 
 Registered loaders' units travel over TCP (the session picks TCP from
 :meth:`RayLauncher.topology`): loader workers on the CPU nodes, a relay on each GPU node of the
-job filling its ranks' shared memory.  The kernel's resident big tensors travel through the
-object store, copied once per node.
+job filling its ranks' shared memory.  A kept cell's loader job (``--keep``) has workers and
+relays but no rank: its relays go to the GPU nodes of the kept ranks, as the last
+:meth:`RayLauncher.topology` planned them, and it reserves no GPU.  The kernel's resident big
+tensors travel through the object store, copied once per node.
 """
 
 from __future__ import annotations
