@@ -258,10 +258,6 @@ class Session:
             values = {k: v for k, v in values.items() if not kept.holds(k, v)}
         rebound = rebound_loaders(namespace, values)
         plane = self._data_plane(values, options, world, device)  # on kept ranks: this cell's loader job
-        if keep and plane is not None and launcher is not self.launcher:
-            # The cluster's TCP transport cannot yet tell kept ranks that a loader failed.
-            raise DirectiveError("registered loaders on kept ranks run on one machine only for now: "
-                                 "run this cell with --fresh, or without --keep")
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]

@@ -196,7 +196,10 @@ class CellWatch(Watch):
             return
         end.record = diagnosis.read_report(self.handle, event.key)
         self.loader_failed = end
-        self.job.data.fail(event.key, failure.summary(end))
+        if not self.job.data.fail(event.key, failure.summary(end)):
+            # Not a loader worker but a transport's process (a cluster node's data relay): the
+            # ranks it fed cannot be told, so they cannot all come back from it.
+            self.ends[event.key] = end
 
     def _back(self) -> bool:
         return set(self.ranks) <= self.done and not self.ends

@@ -193,20 +193,50 @@ def test_kept_ranks_on_a_cluster_the_session_leaves_are_released_first_with_one_
         session.close()
 
 
-def test_a_registered_loader_on_kept_ranks_of_a_cluster_is_a_one_line_usage_error():
+def test_a_registered_loader_on_kept_ranks_of_a_cluster_runs_its_loader_job_beside_them():
+    """On a cluster (the TCP transport: relays on the GPU nodes) a kept cell that reads a
+    registered loader starts that cell's loader job next to the kept ranks, every cell afresh."""
     from torch.utils.data import DataLoader
 
     from taas.data import registry
+
+    class LoaderJob(KeptHandle):
+        def __init__(self, spec):  # no payload, and nothing to say: the cell ends with its ranks
+            self.spec, self.payloads, self.stopped, self.gone, self.script = spec, [], False, None, []
+
+    class TcpCluster(ClusterLauncher):
+        def __init__(self, address):
+            super().__init__(address)
+            self.loader_jobs: list[LoaderJob] = []
+
+        def topology(self, world):
+            return Topology(rank_nodes=(0,) * world, host="127.0.0.1", kernel_machine=False)
+
+        def start(self, spec):
+            if any(p.rank is not None for p in spec.processes):
+                return super().start(spec)
+            self.loader_jobs.append(LoaderJob(spec))
+            return self.loader_jobs[-1]
 
     loader = DataLoader(list(range(8)), batch_size=2)
     registry.register(loader)
     session = Session(KeepingLauncher())
     try:
-        session.launcher_for = lambda address: ClusterLauncher(address)
-        with pytest.raises(DirectiveError, match="registered loaders on kept ranks run on one machine only"):
-            session.run_cell("for b in loader:\n    pass", {"loader": loader},
-                             directive.parse_options("--gpus 2 --keep --cluster ray://x:1"), sink=Sink())
-        assert session.kept is None  # refused before anything started
+        cluster = TcpCluster("ray://x:1")
+        session.launcher_for = lambda address: cluster
+        options = directive.parse_options("--gpus 2 --cpus 1 --keep --cluster ray://x:1")
+        for _ in range(2):
+            session.run_cell("for b in loader:\n    pass", {"loader": loader}, options, sink=Sink())
+        (kept,), (first, second) = cluster.handles, cluster.loader_jobs
+        assert [p.key for p in kept.spec.processes] == ["rank0", "rank1"]
+        for handle in (first, second):  # each cell's loader workers and its node's relay
+            assert [(p.key, p.node) for p in handle.spec.processes] == [("loader:loader:0", None),
+                                                                        ("data-relay:0", 0)]
+            assert handle.stopped
+        assert [p.loaders["loader"]["address"].endpoint for p in kept.payloads] == [
+            "taas.data.tcp.endpoint:TcpEndpoint"] * 2
+        assert kept.payloads[0].loaders["loader"]["address"] != kept.payloads[1].loaders["loader"]["address"]
+        assert session.kept is not None and not kept.stopped  # the ranks stay
     finally:
         session.close()
         registry.unregister(loader)

@@ -293,8 +293,20 @@ class TcpEndpoint(Endpoint):
             local = self._shm(node_of(int(os.environ.get("RANK", "0")), self.per_node))
         return local.prefetched(worker)
 
+    def failure(self) -> str | None:
+        """The kernel's line about this loader's failed worker, as the relay of this rank's
+        node marked it (kept ranks), or None."""
+        for local in list(self._local.values()):
+            failed = local.failure()
+            if failed is not None:
+                return failed
+        return None
+
     def close(self) -> None:
         for stream in self.streams.values():
             stream.finish()
             stream.close()
         self.streams.clear()
+        while self._local:  # a kept rank's view, at its cell's end: unmap the node's headers
+            _, local = self._local.popitem()
+            local.close()

@@ -12,6 +12,12 @@ whose ``op`` names its class::
     relay -> kernel         ControlReport(workers, wanted)  per worker a WorkerReport (None:
                                                            never reported there); {channel:
                                                            (unit, seconds waited)}
+    kernel -> relay         Fail(loader, worker, text)     a loader worker failed (kept ranks):
+                                                           the relay marks it in its node's
+                                                           header, answered by an empty
+                                                           ControlReport (one reply per message)
+
+``JobLayout.failures`` carries the failures marked before that relay registered.
 
 :func:`decode` checks every field's type and raises :class:`BadMessage` for anything else;
 each reader logs and ignores a message it cannot read (see its call site for what that means
@@ -62,6 +68,18 @@ class JobLayout:
     OP: ClassVar[str] = "layout"
     loaders: dict  # loader -> LoaderLayout
     ranks_per_node: object  # int, a tuple of each rank's node, or None (see relay.node_of)
+    failures: tuple = ()  # Fail messages marked before the relay registered
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Loader ``loader``'s worker ``worker`` failed (``text``: the kernel's one line): kept
+    ranks' views raise it (:meth:`taas.data.transport.Transport.fail`)."""
+
+    OP: ClassVar[str] = "fail"
+    loader: int
+    worker: int
+    text: str
 
 
 @dataclass(frozen=True)
@@ -90,7 +108,7 @@ class ControlReport:
     wanted: dict  # channel -> (unit, seconds waited)
 
 
-Message = RelayUp | WhereIs | RelayAt | JobLayout | Query | ControlReport
+Message = RelayUp | WhereIs | RelayAt | JobLayout | Query | ControlReport | Fail
 
 
 def encode(message: Message) -> dict:
@@ -99,7 +117,8 @@ def encode(message: Message) -> dict:
         body: dict = {"loaders": {str(k): {"workers": v.workers, "pairs": [list(p) for p in v.pairs],
                                            "bound": v.bound} for k, v in message.loaders.items()},
                       "ranks_per_node": (list(message.ranks_per_node) if isinstance(message.ranks_per_node, tuple)
-                                         else message.ranks_per_node)}
+                                         else message.ranks_per_node),
+                      "failures": [[f.loader, f.worker, f.text] for f in message.failures]}
     elif isinstance(message, ControlReport):
         body = {"workers": [None if w is None else [w.state, w.unit, w.busy_s, w.prefetched, w.produced,
                                                     w.seq, w.blocked] for w in message.workers],
@@ -177,6 +196,11 @@ def _worker_report(value) -> WorkerReport | None:
                         _bool(blocked))
 
 
+def _fail(value) -> Fail:
+    loader, worker, text = value
+    return Fail(_int(loader), _int(worker), _str(text))
+
+
 def _wanted(value) -> tuple[int, float]:
     unit, waited = value
     return _int(unit), _float(waited)
@@ -187,7 +211,9 @@ _DECODERS = {
     WhereIs: lambda d: WhereIs(_int(d["node"])),
     RelayAt: lambda d: RelayAt(_str(d["host"]), _int(d["port"])),
     JobLayout: lambda d: JobLayout({_int(int(k)): _loader_layout(v) for k, v in d["loaders"].items()},
-                                   _ranks_per_node(d["ranks_per_node"])),
+                                   _ranks_per_node(d["ranks_per_node"]),
+                                   tuple(_fail(f) for f in d.get("failures", []))),
+    Fail: lambda d: Fail(_int(d["loader"]), _int(d["worker"]), _str(d["text"])),
     Query: lambda d: Query(_int(d["loader"])),
     ControlReport: lambda d: ControlReport(tuple(_worker_report(w) for w in d["workers"]),
                                            {_int(int(c)): _wanted(v) for c, v in d["wanted"].items()}),

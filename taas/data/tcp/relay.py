@@ -14,7 +14,8 @@ them with the shared-memory receiver: their views do not change.
               frames in order, and receives a unit's bytes from the socket straight into the
               block the ring lends (one copy); while a ring is full it stops reading, so the
               TCP window fills and the worker blocks
-              hub: answers the kernel's control queries from the header words
+              hub: answers the kernel's control queries from the header words, and marks a
+              loader's failure there when the kernel says one failed (kept ranks)
               watch: tells a worker when a rank it feeds here has gone (GONE frames)
     stop()    when every rank here has gone, the hub connection ends (the kernel closed the
               job's transport) or SIGTERM: close everything, unlink this node's segments and
@@ -96,6 +97,8 @@ class Relay:
                     if node_of(rank, per_node) == self.node:  # opened here: the same FIFOs once renamed
                         paths = segment.make_fifos(staging, loader, channel)
                         item.senders[channel] = ShmSender(header, channel, paths, self._on_wait(loader, worker))
+            for failed in layout.failures:  # marked before this relay registered
+                self._mark(failed)
             os.rename(staging, fifo_directory(self.job_id, self.node))  # the ranks may attach now
         except BaseException:  # never leave the staging directory behind; re-raised
             shutil.rmtree(staging, ignore_errors=True)
@@ -268,11 +271,22 @@ class Relay:
                 wanted[channel] = (want - 1, max(now - header.want_since(channel), 0.0))
         return messages.ControlReport(tuple(workers), wanted)
 
+    def _mark(self, failed: messages.Fail) -> None:
+        """A worker of loader ``failed.loader`` failed (kept ranks): its views here raise it."""
+        item = self.loaders.get(failed.loader)
+        if item is not None and failed.worker < item.header.layout.workers:
+            item.header.set_failure(failed.worker, failed.text)
+
     def _answer(self) -> None:
         try:
             while not self.stopping.is_set():
                 try:
-                    reply = self.snapshot(wire.recv_message(self.hub, messages.Query).loader)
+                    message = wire.recv_message(self.hub, messages.Query, messages.Fail)
+                    if isinstance(message, messages.Fail):
+                        self._mark(message)
+                        reply = messages.ControlReport((), {})  # one reply per message
+                    else:
+                        reply = self.snapshot(message.loader)
                 except messages.BadMessage as exc:  # ignored; an empty report keeps query and reply in step
                     wire.log.warning("taas data plane: relay of node %d ignored a message from the hub: %s",
                                      self.node, exc)

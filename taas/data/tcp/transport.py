@@ -33,6 +33,13 @@ room in a worker's ring it marks that worker BLOCKED (and prefetched) itself.  T
 them: a worker BLOCKED on any node is BLOCKED, otherwise the report with the highest sequence
 number wins.
 
+Kept ranks (``--keep``): a loader worker that fails in a kept cell must not stop the ranks, so
+:meth:`TcpTransport.fail` sends a ``Fail`` message to every relay, which marks it in its node's
+header as the one-machine transport marks its own (:meth:`taas.data.shm.segment.Segment.
+set_failure`); the ranks' views read it there (``failure()``).  A kept rank closes its views at
+its cell's end: ``release`` frees its receivers' fds and mappings, and the endpoint's
+:meth:`TcpEndpoint.close` unmaps its node's headers.
+
 Backpressure: a relay stops reading a stream while the unit's ring is full, the TCP window
 fills, and the worker's send waits (``on_wait`` after 0.1 s without progress).  In flight per
 stream: the ring's bound plus the sockets' buffers.
@@ -82,6 +89,7 @@ class TcpTransport(Transport):
         self.node_ids = tuple(node_ids) if node_ids else None
         self.secret = wire.Secret()
         self.layouts: dict[int, messages.LoaderLayout] = {}
+        self.failures: dict[int, messages.Fail] = {}  # loader -> its first failed worker (kept ranks)
         self.relays: dict[int, tuple] = {}  # node -> (socket, lock): control queries
         self._where: dict[int, tuple] = {}  # node -> (host, port) its relay listens on
         self.cond = threading.Condition()
@@ -141,6 +149,29 @@ class TcpTransport(Transport):
                 sock.close()
         return _merge(layout, reports, time.monotonic() - self.started)
 
+    def fail(self, loader: int, worker: int, text: str) -> None:
+        """Every relay marks the failure in its node's header for the ranks' views; a relay
+        that registers later gets it with the job's layout (both under ``cond``: none is
+        missed).  The first failure of a loader is the one its views raise."""
+        with self.cond:
+            if loader in self.failures or self.closed:
+                return
+            failed = self.failures[loader] = messages.Fail(int(loader), int(worker), text)
+            links = list(self.relays.items())
+        for node, (sock, lock) in links:
+            try:
+                with lock:
+                    sock.settimeout(QUERY_S)
+                    wire.send_message(sock, failed)
+                    try:
+                        wire.recv_message(sock, messages.ControlReport)  # its acknowledgement
+                    except messages.BadMessage as exc:  # still one reply: in step
+                        wire.log.warning("taas data plane: node %d answered a failure oddly: %s", node, exc)
+                    sock.settimeout(None)
+            except (OSError, EOFError):  # that relay has gone (its node's ranks ended)
+                wire.log.warning("taas data plane: could not tell node %d's relay that loader %d failed",
+                                 node, loader)
+
     def close(self) -> None:
         with self.cond:
             if self.closed:
@@ -191,7 +222,8 @@ class TcpTransport(Transport):
             message = wire.recv_message(sock, messages.RelayUp, messages.WhereIs)
             if isinstance(message, messages.RelayUp):
                 with self.cond:
-                    wire.send_message(sock, messages.JobLayout(dict(self.layouts), self.ranks_per_node))
+                    wire.send_message(sock, messages.JobLayout(dict(self.layouts), self.ranks_per_node,
+                                                               tuple(self.failures.values())))
                     if not self.closed:
                         self.relays[message.node] = (sock, threading.Lock())
                         self._where[message.node] = (message.host, message.port)

@@ -9,9 +9,18 @@ workers; the start process's guard has the agent as its "kernel", so a dead agen
 node's processes along.
 
 Calls come from the kernel concurrently (a threaded actor): one long-poll :meth:`events` at a
-time, and :meth:`stop`, :meth:`fetch`, :meth:`request_stacks` meanwhile.  The local job handle
-is not thread-safe, so :meth:`events` reads it in 50 ms slices under a lock, and a stop waits
-at most one slice.
+time per job, and :meth:`stop`, :meth:`fetch`, :meth:`request_stacks` meanwhile.
+
+An agent runs one job's share at a time, except beside kept ranks (``--keep``): a kept cell
+that reads registered loaders runs its loader job (on a GPU node: the data relay) next to the
+kept job, both children of the node's start process.  So the agent holds its jobs by attempt
+id, and the per-job calls (:meth:`events`, :meth:`stop`, :meth:`layers`, :meth:`close`) name
+theirs (None: the one started last); a process's calls (:meth:`fetch`, :meth:`request_stacks`,
+:meth:`interrupt`) go to the job that has it, the kept-ranks calls to the kept job.  A start
+replaces an earlier job of its kind (with ranks, or without) that the kernel did not close.
+
+The local job handle is not thread-safe, so :meth:`events` reads it in 50 ms slices under a
+lock, and a stop waits at most one slice.
 
 Node 0's agent also hosts the attempt's rendezvous store (:meth:`host_store`), on its node's
 address, port 0: torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` arrangement across nodes.
@@ -82,8 +91,11 @@ class NodeAgent:
         self._launcher = LocalLauncher()
         self._launcher.warm()  # the start process imports torch while the kernel gets ready
         self._lock = threading.Lock()
-        self._job = None  # the local job handle of this node's share, while one runs
-        self._kept = False  # its ranks live between cells (--keep)
+        # attempt -> the local job handle of this node's share, in start order
+        self._jobs: dict[str, object] = {}
+        self._ranked: set[str] = set()  # attempts whose share here has ranks
+        self._kept: str | None = None  # the attempt whose ranks live between cells (--keep)
+        self._specs: dict[str, tuple] = {}  # attempt -> its clean-up hooks (LaunchSpec.cleanups)
         self._stores: dict[str, object] = {}
         self._copies: dict[str, tuple[str, dict]] = {}  # kernel's cwd -> (copy here, its manifest)
         self._polled = time.monotonic()  # the kernel's last call
@@ -104,11 +116,12 @@ class NodeAgent:
         while True:
             time.sleep(WATCH_EVERY)
             with self._lock:
-                job = self._job
-                if job is None or job.finished:
+                jobs = dict(self._jobs)
+                if all(job.finished for job in jobs.values()):
                     continue
+                kept = self._kept in jobs
             gone = self._kernel_gone()  # outside the lock: it may ask the cluster
-            if gone is None and not self._kept:
+            if gone is None and not kept:
                 # Kept ranks (--keep) wait between cells without a call from the kernel for
                 # as long as the user reads: silence says nothing about them; they end with
                 # this actor when Ray ends the kernel's connection.
@@ -116,10 +129,10 @@ class NodeAgent:
             if not gone:
                 continue
             with self._lock:
-                if self._job is job:
-                    log.warning("the kernel is gone: ending its job on this node")
-                    self._job.close()
-                    self._job = None
+                for attempt, job in jobs.items():
+                    if self._jobs.get(attempt) is job:
+                        log.warning("the kernel is gone: ending its job %s on this node", attempt)
+                        self._drop(attempt)
 
     def describe(self) -> dict:
         return {"node_id": self.node_id, "ip": self.ip, "cuda": visible_cuda(), "pid": os.getpid()}
@@ -174,10 +187,10 @@ class NodeAgent:
         self._copies[cwd] = (path, now)
         return workdir_sync.pack(path, now, changed), deleted
 
-    def layer_entries(self) -> list[tuple[str, list]]:
+    def layer_entries(self, attempt: str | None = None) -> list[tuple[str, list]]:
         """The job's ``--storage layer`` uppers as entries, for a kernel that cannot read them."""
         self._polled = time.monotonic()
-        return [(name, workdir_sync.read_tree(upper)) for name, upper in self.layers()]
+        return [(name, workdir_sync.read_tree(upper)) for name, upper in self.layers(attempt)]
 
     def _drop_copies(self) -> None:
         for path, _ in self._copies.values():
@@ -210,21 +223,53 @@ class NodeAgent:
             spec = dataclasses.replace(spec, processes=procs, files=files, shared_fds=tuple(fds),
                                        placed=True)
             self._polled = time.monotonic()  # the kernel polls from now on
+            ranked = any(p.rank is not None for p in spec.processes)
             with self._lock:
-                if self._job is not None:  # a previous attempt the kernel did not close
-                    self._job.close()
-                    self._job = None
-                self._job = self._launcher.start(spec)
-                self._kept = any(p.env.get("TAAS_KEEP") == "1" for p in spec.processes)
-                # If Ray ends us before the job's own clean-up ran, our watcher runs it.
-                node_watch.record(spec.cleanups, self._job.job_dir)
+                for attempt in list(self._jobs):
+                    if (attempt in self._ranked) == ranked:  # a previous attempt the kernel did not close
+                        self._drop(attempt)
+                job = self._jobs[spec.attempt] = self._launcher.start(spec)
+                if ranked:
+                    self._ranked.add(spec.attempt)
+                    if any(p.env.get("TAAS_KEEP") == "1" for p in spec.processes):
+                        self._kept = spec.attempt
+                self._specs[spec.attempt] = spec.cleanups
+                self._record()
                 # The kernel polls once this call returns: a long start (a fresh start
                 # process still importing torch) is no silence of the kernel's.
                 self._polled = time.monotonic()
-                return self._job.pids
+                return job.pids
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _record(self) -> None:
+        """If Ray ends us before the jobs' own clean-up ran, our watcher runs it (under the lock)."""
+        hooks = [hook for attempt in self._jobs for hook in self._specs.get(attempt, ())]
+        node_watch.record(hooks, *(job.job_dir for job in self._jobs.values()))
+
+    def _drop(self, attempt: str) -> None:
+        """Close job ``attempt`` and forget it (under the lock)."""
+        job = self._jobs.pop(attempt, None)
+        self._ranked.discard(attempt)
+        self._specs.pop(attempt, None)
+        if self._kept == attempt:
+            self._kept = None
+        if job is not None:
+            job.close()
+
+    @property
+    def _job(self):
+        """The handle of the job started last, or None."""
+        return next(reversed(list(self._jobs.values())), None)
+
+    def _job_of(self, attempt: str | None = None):
+        """Job ``attempt``'s handle (None: the one started last), or None."""
+        return self._job if attempt is None else self._jobs.get(attempt)
+
+    def _holding(self, key: str):
+        """The job that runs process ``key`` here (keys are unique among an agent's jobs)."""
+        return next((job for job in reversed(list(self._jobs.values())) if key in job.keys), None)
 
     def _env(self, env: dict) -> dict:
         # TAAS_DATA_HOST: where a data relay on this node listens (loader workers reach it).
@@ -234,14 +279,15 @@ class NodeAgent:
             out.setdefault("NCCL_SOCKET_IFNAME", self._ifname)
         return out
 
-    def events(self, timeout: float) -> tuple[list, bool]:
-        """Output and exits of this node's processes, waiting up to ``timeout`` s for the first
-        (a long poll); and whether the job is finished (every process exited, all read)."""
+    def events(self, timeout: float, attempt: str | None = None) -> tuple[list, bool]:
+        """Output and exits of job ``attempt``'s processes on this node, waiting up to
+        ``timeout`` s for the first (a long poll); and whether the job is finished (every
+        process exited, all read)."""
         deadline = time.monotonic() + timeout
         self._polled = time.monotonic()
         while True:
             with self._lock:
-                job = self._job
+                job = self._job_of(attempt)
                 if job is None:
                     return [], True
                 out = list(job.events(_SLICE))
@@ -250,26 +296,31 @@ class NodeAgent:
                 return out, finished
             time.sleep(0.001)  # let a waiting stop() take the lock
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float, attempt: str | None = None) -> None:
         self._polled = time.monotonic()  # the kernel is alive
         with self._lock:
-            if self._job is not None:
-                self._job.stop(grace)
+            job = self._job_of(attempt)
+            if job is not None:
+                job.stop(grace)
 
     def fetch(self, key: str, name: str) -> bytes | None:
         self._polled = time.monotonic()  # the kernel is alive
-        job = self._job
+        job = self._holding(key)
         return job.fetch(key, name) if job is not None else None
 
     def request_stacks(self, keys: list[str]) -> list[str]:
         self._polled = time.monotonic()  # the kernel is alive
-        job = self._job
-        return job.request_stacks(keys) if job is not None else []
+        asked: list[str] = []
+        for job in list(self._jobs.values()):
+            mine = [k for k in keys if k in job.keys]
+            if mine:
+                asked += job.request_stacks(mine)
+        return asked
 
-    def layers(self) -> list[tuple[str, str]]:
+    def layers(self, attempt: str | None = None) -> list[tuple[str, str]]:
         """Paths on this node; the kernel reads them only where nodes share the filesystem."""
         self._polled = time.monotonic()  # the kernel is alive
-        job = self._job
+        job = self._job_of(attempt)
         return job.layers() if job is not None else []
 
     # -- kept ranks (--keep): the local job's own calls, under the lock ------------------------
@@ -278,36 +329,44 @@ class NodeAgent:
         of them ended since the last cell)."""
         self._polled = time.monotonic()  # the kernel is alive
         with self._lock:
-            if self._job is None:
+            job = self._jobs.get(self._kept or "")
+            if job is None:
                 from taas.errors import LaunchError
 
                 raise LaunchError(f"the kept ranks on node {self.ip} were ended")
-            self._job.next_cell(files, payload, result)
+            job.next_cell(files, payload, result)
 
     def lost(self) -> str | None:
         """Why this node's kept ranks can run no cell any more, or None."""
         self._polled = time.monotonic()
         with self._lock:
-            if self._job is None:
+            job = self._jobs.get(self._kept or "")
+            if job is None:
                 return f"the kept ranks on node {self.ip} were ended"
-            return self._job.lost()
+            return job.lost()
 
     def interrupt(self, keys: list[str]) -> list[str]:
         self._polled = time.monotonic()
-        job = self._job  # a signal each: no lock, an interrupt must not wait for a long poll
-        return job.interrupt(keys) if job is not None else []
+        sent: list[str] = []
+        for job in list(self._jobs.values()):  # no lock: an interrupt must not wait for a long poll
+            mine = [k for k in keys if k in job.keys]
+            if mine:
+                sent += job.interrupt(mine)
+        return sent
 
     def memory(self) -> dict[str, int]:
-        """Resident memory (bytes) of each running process of this node's share."""
+        """Resident memory (bytes) of each running process of this node's kept ranks' share."""
         self._polled = time.monotonic()
-        job = self._job
+        job = self._jobs.get(self._kept or "") or self._job
         return job.memory() if job is not None else {}
 
-    def close(self) -> None:
+    def close(self, attempt: str | None = None) -> None:
+        """End job ``attempt`` (None: every job of this agent)."""
         with self._lock:
-            if self._job is not None:
-                self._job.close()
-                self._job = None
+            for key in list(self._jobs) if attempt is None else [attempt]:
+                self._drop(key)
+            if self._jobs:
+                self._record()
 
     def shutdown(self) -> None:
         self.close()

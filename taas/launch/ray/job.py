@@ -103,11 +103,13 @@ class RayJob(KeptCalls, JobHandle):
         GPUs, start or reuse the nodes' agents, copy the working directory where a node needs
         it, host the rendezvous store on the plan's node 0, and start each node's share."""
         spec = self._spec
-        if plan.by == "GPU":  # reserve the GPUs where the plan puts the ranks
+        if plan.by == "GPU" and plan.rank_nodes:  # reserve the GPUs where the plan puts the ranks
             self._reserving = True
             self._reservation.hold(reservation.bundles([nodes[n].ip for n in plan.rank_nodes]),
                                    self._attempt)
-        for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes):
+        relay_nodes = tuple(plan.nodes[p.node].node_id for p in spec.processes
+                            if p.rank is None and p.node is not None)
+        for node_id in dict.fromkeys(plan.rank_nodes + plan.worker_nodes + relay_nodes):
             self._agents[node_id] = self._cluster.agent(nodes[node_id])
             self._ip_of[node_id] = nodes[node_id].ip
         copies = self._cluster.copy_nodes(list(self._agents), spec.cwd, self._workdir.mode)
@@ -201,7 +203,7 @@ class RayJob(KeptCalls, JobHandle):
         return self._ray.get(ref, timeout=timeout)
 
     def _poll(self, node_id: str) -> None:
-        self._polls[self._agents[node_id].events.remote(_LONG_POLL)] = node_id
+        self._polls[self._agents[node_id].events.remote(_LONG_POLL, self._attempt)] = node_id
 
     @property
     def keys(self) -> list[str]:
@@ -287,7 +289,7 @@ class RayJob(KeptCalls, JobHandle):
     def stop(self, grace: float = 1.0) -> None:
         if self._stopped or not self._agents:
             return
-        stopped = self._each("stop", grace, timeout=grace + 15)
+        stopped = self._each("stop", grace, self._attempt, timeout=grace + 15)
         self._stopped = True
         # An agent's stop returns once every process of its node's share is reaped: the ranks'
         # GPUs are free now, before their exits are read (see _let_go_when_ranks_ended).
@@ -342,10 +344,10 @@ class RayJob(KeptCalls, JobHandle):
         directory, else fetched from the node into a directory of the kernel's (removed at
         :meth:`close`)."""
         self._bring_back()
-        out = [layer for node_id, found in self._each("layers").items() if node_id not in self._copies
+        out = [layer for node_id, found in self._each("layers", self._attempt).items() if node_id not in self._copies
                for layer in found]
         if self._copies.paths:
-            out += self._copies.fetch_layers(self._each("layer_entries"))
+            out += self._copies.fetch_layers(self._each("layer_entries", self._attempt))
         return out
 
     def close(self) -> None:
@@ -355,7 +357,7 @@ class RayJob(KeptCalls, JobHandle):
         try:
             self.stop()
             self._bring_back()  # when stop() had nothing to stop
-            self._each("close")
+            self._each("close", self._attempt)
             if self._store_node is not None and self._store_node in self._agents:
                 self._each_one(self._store_node, "close_store", self._attempt)
         finally:

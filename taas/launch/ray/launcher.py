@@ -36,12 +36,15 @@ it sees it, once per node and directory), ``"shared"`` or ``"copy"`` (every node
 
 Registered loaders' units travel over TCP (the session picks TCP from
 :meth:`RayLauncher.topology`): loader workers on the CPU nodes, a relay on each GPU node of the
-job filling its ranks' shared memory.  The kernel's resident big tensors travel through the
-object store, copied once per node.
+job filling its ranks' shared memory.  A kept cell's loader job (``--keep``) has workers and
+relays but no rank: its relays go to the GPU nodes of the kept ranks, as the last
+:meth:`RayLauncher.topology` planned them, and it reserves no GPU.  The kernel's resident big
+tensors travel through the object store, copied once per node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from urllib.parse import urlsplit
 
@@ -52,6 +55,9 @@ from taas.launch.ray import placement
 from taas.launch.ray.cluster import RayCluster, message
 from taas.launch.ray.job import RayJob, Workdir
 from taas.launch.ray.reservation import Reservation
+
+
+CHANGED = "the cluster's nodes changed while the job was prepared; run the cell again"
 
 
 class RayLauncher(Launcher):
@@ -68,6 +74,7 @@ class RayLauncher(Launcher):
         self.reservation = Reservation()
         self._jobs: list[RayJob] = []
         self._planned: dict[int, tuple] = {}  # world -> rank_nodes topology() planned with
+        self._last_plan: placement.Plan | None = None  # the plan topology() returned last
 
     # -- the cluster --------------------------------------------------------------------
     def connect(self):
@@ -132,6 +139,7 @@ class RayLauncher(Launcher):
         ray = self.connect()
         plan = placement.plan(self.nodes(), max(world, 1))
         self._planned[world] = plan.rank_nodes
+        self._last_plan = plan
         return Topology(rank_nodes=tuple(place.group_rank for place in plan.places),
                         node_ids=tuple(node.node_id for node in plan.nodes),
                         host=self._kernel_ip(ray), kernel_machine=False)
@@ -159,9 +167,12 @@ class RayLauncher(Launcher):
         ranks = [p for p in spec.processes if p.rank is not None]
         workers = [p for p in spec.processes if p.role == keys.LOADER]
         plan = placement.plan(list(nodes.values()), len(ranks), len(workers))
-        if len(workers) + len(ranks) < len(spec.processes) and plan.rank_nodes != self._planned.get(len(ranks)):
+        relays = len(workers) + len(ranks) < len(spec.processes)
+        if relays and not ranks:
+            plan = self._beside_ranks(plan, list(nodes.values()))
+        elif relays and plan.rank_nodes != self._planned.get(len(ranks)):
             # The transport was made for another placement: its relays would serve the wrong ranks.
-            raise LaunchError("the cluster's nodes changed while the job was prepared; run the cell again")
+            raise LaunchError(CHANGED)
         if spec.device == "cuda":
             info = self.cluster.info([nodes[i] for i in set(plan.rank_nodes)])
             for node_id in set(plan.rank_nodes):
@@ -182,6 +193,16 @@ class RayLauncher(Launcher):
             raise LaunchError(f"could not start the job on the cluster: {message(exc)}") from None
         self._jobs = [j for j in self._jobs if not j.closed] + [job]
         return job
+
+    def _beside_ranks(self, plan: placement.Plan, nodes: list[placement.Node]) -> placement.Plan:
+        """A kept cell's loader job (taas.supervisor.celldata): loader workers and relays, no
+        rank.  Its relays serve the kept ranks, which the transport's topology placed: they go
+        to that plan's GPU nodes (``ProcessSpec.node`` numbers them), the workers where
+        ``plan`` puts them; refused if the cluster's nodes changed since."""
+        planned = self._last_plan
+        if planned is None or placement.plan(nodes, len(planned.rank_nodes)).rank_nodes != planned.rank_nodes:
+            raise LaunchError(CHANGED)
+        return dataclasses.replace(plan, nodes=planned.nodes)
 
     def shutdown(self) -> None:
         """End every job and agent (their processes die with them); disconnect if we connected."""

@@ -7,7 +7,7 @@ process's guard included.  The job's processes die with them (parent-death signa
 nothing below the agent is left to run the job's clean-up hooks (``LaunchSpec.cleanups``: a
 data relay's shared-memory rings, say) or to remove the node's copy of the working directory
 (:mod:`taas.workdir.sync`).  So each agent starts one watcher (:func:`start`), which
-holds nothing but the agent's pid and start time; the agent keeps the hooks of the job it runs
+holds nothing but the agent's pid and start time; the agent keeps the hooks of the jobs it runs
 in a file of its own (:func:`record`, :func:`clear`), with the job's directory.  When the agent
 is gone, the watcher runs the recorded hooks (in the agent's environment: ``TAAS_NODE_ID``
 limits them to this node's share), removes that job directory and the agent's copies, and exits.
@@ -30,14 +30,14 @@ def _record_path(agent_pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"taas-agent-{agent_pid}-cleanups")
 
 
-def record(hooks, job_dir: str = "") -> None:
-    """In the agent: ``hooks`` (``LaunchSpec.cleanups``) and ``job_dir`` (see
-    :mod:`taas.launch.local.jobdir`) are its current job's; written whole or not at all, readable
-    by the agent's user only."""
+def record(hooks, *job_dirs: str) -> None:
+    """In the agent: ``hooks`` (``LaunchSpec.cleanups``) and ``job_dirs`` (see
+    :mod:`taas.launch.local.jobdir`) are its current jobs' (a kept job and a kept cell's loader
+    job may run side by side); written whole or not at all, readable by the agent's user only."""
     path = _record_path(os.getpid())
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + "-", dir=os.path.dirname(path))
     with os.fdopen(fd, "wb") as f:
-        pickle.dump({"hooks": list(hooks), "dirs": [job_dir] if job_dir else []}, f)
+        pickle.dump({"hooks": list(hooks), "dirs": [d for d in job_dirs if d]}, f)
     os.replace(tmp, path)
 
 

@@ -73,15 +73,15 @@ class FakeAgent:
         self.started.append(spec)
         return {p.key: 1000 + i for i, p in enumerate(spec.processes)}
 
-    def do_events(self, timeout):
+    def do_events(self, timeout, attempt=None):
         """Every process of the last start exits at once, with 0."""
         procs = self.started[-1].processes if self.started else ()
         return [ProcessExit(p.key, 0, 0) for p in procs], True
 
-    def do_stop(self, grace):
+    def do_stop(self, grace, attempt=None):
         return None
 
-    def do_close(self):
+    def do_close(self, attempt=None):
         return None
 
     def do_close_store(self, attempt):
@@ -93,7 +93,7 @@ class FakeAgent:
     def do_fetch(self, key, name):
         return None
 
-    def do_layers(self):
+    def do_layers(self, attempt=None):
         return []
 
 

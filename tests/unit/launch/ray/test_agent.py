@@ -3,6 +3,7 @@ placed elsewhere (LaunchSpec.placed), output through long polls, stop from anoth
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -96,6 +97,39 @@ def test_stop_while_a_long_poll_waits(agent, tmp_path):
     assert set(exits) == {"rank0", "rank1"} and all(code < 0 for code in exits.values()), exits
     agent.close()
     assert gone(pids.values())
+
+
+def test_a_loader_job_runs_beside_kept_ranks_and_ends_alone(agent, tmp_path):
+    """--keep with registered loaders: a cell's loader job (here a relay-like process, no rank)
+    starts next to the kept ranks' job; each job's events, stop and close are its own, the
+    kept-ranks calls go to the kept job, and a new loader job replaces one left open."""
+    kept = dataclasses.replace(spec(tmp_path, "hang", 2), processes=tuple(
+        dataclasses.replace(p, env={"TAAS_KEEP": "1"}) for p in spec(tmp_path, "hang", 2).processes))
+    kept_pids = agent.start(kept, {})
+
+    def loader_job(name):
+        return LaunchSpec(job_id=name, cwd=str(tmp_path), placed=True, processes=(
+            ProcessSpec(key="data-relay:0", entry="tests.support.launch_targets:hang", role="relay", node=0),))
+
+    first = agent.start(loader_job(f"a{time.monotonic_ns()}-data"), {})
+    second_spec = loader_job(f"a{time.monotonic_ns()}-data")
+    second = agent.start(second_spec, {})  # the first was never closed: replaced
+    assert gone(first.values())
+    assert agent.lost() is None and set(agent.memory()) == {"rank0", "rank1"}
+    assert agent.interrupt(["data-relay:9"]) == []  # no such process in any job here
+    agent.stop(0.5, second_spec.attempt)
+    exits = {}
+    deadline = time.monotonic() + 60
+    while "data-relay:0" not in exits:
+        assert time.monotonic() < deadline, "the loader job's exit never came"
+        events, _ = agent.events(1.0, second_spec.attempt)
+        exits.update({e.key: e.returncode for e in events if isinstance(e, ProcessExit)})
+    assert set(exits) == {"data-relay:0"}  # the kept job's events are its own
+    agent.close(second_spec.attempt)
+    assert gone(second.values())
+    assert all(psutil.pid_exists(p) for p in kept_pids.values()) and agent.lost() is None
+    agent.close()
+    assert gone(kept_pids.values())
 
 
 def test_no_job_reports_finished_at_once(agent):

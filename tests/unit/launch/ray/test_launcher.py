@@ -111,6 +111,29 @@ def test_start_refuses_when_the_nodes_changed_since_the_topology(cluster, tmp_pa
     assert started(cluster) == {}
 
 
+def test_a_kept_cells_loader_job_puts_its_relays_beside_the_kept_ranks(cluster, tmp_path):
+    """--keep: a cell's loader job has relays and workers but no rank; its relays go to the
+    GPU nodes the topology planned (the kept ranks'), and it reserves no GPU of its own."""
+    launcher = RayLauncher("auto", workdir="shared")
+    launcher.topology(4)
+    kept = launcher.start(spec(tmp_path, ranks(4)))
+    held = list(cluster.groups.held)
+    data = launcher.start(LaunchSpec("job2-data", str(tmp_path), tuple(relays(2) + loaders(2)), files={}))
+    assert {n: [p.key for p in a.started[-1].processes] for n, a in cluster.agents.items()
+            if a.started and a.started[-1].job_id == "job2-data"} == {
+        "a": ["data-relay:0"], "b": ["data-relay:1"], "c": ["loader:train:0"], "d": ["loader:train:1"]}
+    assert cluster.groups.held == held and len(held) == 1  # the kept ranks' reservation only
+    assert cluster.agents["a"].called("host_store") == [("job1", 4)]  # no store for no rank
+    data.close()
+    assert cluster.groups.held == held  # the loader job's end leaves the kept ranks' GPUs held
+    assert ("close", ("job2-data",)) in cluster.agents["a"].calls  # its own job only
+    launcher.topology(2)  # planned on node a
+    cluster.set_nodes([n for n in CLUSTER if n.node_id != "a"])
+    with pytest.raises(LaunchError, match="nodes changed"):  # a went since: its relay would serve no rank
+        launcher.start(LaunchSpec("job3-data", str(tmp_path), tuple(relays(1) + loaders(1)), files={}))
+    kept.close()
+
+
 def test_a_job_without_a_transport_needs_no_topology(cluster, tmp_path):
     launcher = RayLauncher("auto", workdir="shared")
     launcher.topology(2)
@@ -151,7 +174,7 @@ def test_a_dead_agent_fails_the_start_in_one_line_and_is_started_afresh(cluster,
 def test_processes_of_a_lost_agent_exit_with_minus_9_and_say_where(cluster, tmp_path):
     launcher = RayLauncher("auto", workdir="shared")
     agent = cluster.agent_for("b", "10.0.1.2")
-    agent.do_events = lambda timeout: ([], False)  # b's ranks run on
+    agent.do_events = lambda timeout, attempt=None: ([], False)  # b's ranks run on
     job = launcher.start(spec(tmp_path, ranks(4)))
     agent.dead = True
     exits = {}

@@ -166,11 +166,11 @@ def test_a_job_gives_its_gpus_back_as_soon_as_its_ranks_exited(fake_ray, tmp_pat
     launcher = RayLauncher("auto", workdir="shared")
     procs = tuple(ProcessSpec(key=keys.rank_key(r), entry="m:f", rank=r) for r in range(4))
     agent_b = fake_ray.agent_for("b", "10.0.1.2")
-    agent_b.do_events = lambda timeout: ([ProcessExit("rank2", 0, 0)], False)  # rank3 runs on
+    agent_b.do_events = lambda timeout, attempt=None: ([ProcessExit("rank2", 0, 0)], False)  # rank3 runs on
     job = launcher.start(LaunchSpec("job1", str(tmp_path), procs))
     job.events(0)
     assert len(fake_ray.groups.held) == 1  # rank3 still runs: its GPU stays reserved
-    agent_b.do_events = lambda timeout: ([ProcessExit("rank3", 0, 0)], True)
+    agent_b.do_events = lambda timeout, attempt=None: ([ProcessExit("rank3", 0, 0)], True)
     for _ in range(3):
         job.events(0)
     assert fake_ray.groups.held == [] and not job.closed
@@ -183,7 +183,7 @@ def test_a_stopped_job_gives_its_gpus_back_once_every_ranks_agent_stopped_them(f
     launcher = RayLauncher("auto", workdir="shared")
     procs = tuple(ProcessSpec(key=keys.rank_key(r), entry="m:f", rank=r) for r in range(4))
     for node_id, ip in (("a", "10.0.1.1"), ("b", "10.0.1.2")):
-        fake_ray.agent_for(node_id, ip).do_events = lambda timeout: ([], False)  # the ranks run on
+        fake_ray.agent_for(node_id, ip).do_events = lambda timeout, attempt=None: ([], False)  # the ranks run on
     job = launcher.start(LaunchSpec("job1", str(tmp_path), procs))
     job.events(0)
     assert len(fake_ray.groups.held) == 1
@@ -197,7 +197,7 @@ def test_a_stop_that_a_ranks_agent_did_not_answer_keeps_the_gpus_until_close(fak
     launcher = RayLauncher("auto", workdir="shared")
     procs = tuple(ProcessSpec(key=keys.rank_key(r), entry="m:f", rank=r) for r in range(4))
     for node_id, ip in (("a", "10.0.1.1"), ("b", "10.0.1.2")):
-        fake_ray.agent_for(node_id, ip).do_events = lambda timeout: ([], False)
+        fake_ray.agent_for(node_id, ip).do_events = lambda timeout, attempt=None: ([], False)
     job = launcher.start(LaunchSpec("job1", str(tmp_path), procs))
 
     def no_answer(grace):
