@@ -27,7 +27,6 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from taas import directive
@@ -38,7 +37,7 @@ from taas.io.output import note as write_note
 from taas.io.plot import LivePlot
 from taas.job import analysis, package, results
 from taas.job import metrics as job_metrics  # also how taas.log / taas.metrics reach it (taas/__init__.py)
-from taas.job.api import Job, Policy, World
+from taas.job.api import Job, JobStats, Policy, World
 from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.resident import ResidentMemory
 from taas.job.results import CellResult
@@ -59,23 +58,6 @@ __all__ = ["INFO", "WARN", "CellResult", "JobStats", "Session", "launcher_from_e
            "transport_for", "working_directory", "write_note"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class JobStats:
-    job_id: str
-    world_size: int
-    device: str
-    backend: str
-    wall_s: float = 0.0
-    outcome: str = "preparing"  # the supervisor's state (taas.supervisor.supervisor.State), then ok/failed/...
-    exit_codes: dict = field(default_factory=dict)
-    loaders: list[str] = field(default_factory=list)
-    config: str | None = None  # DataSphere '#!NAME' configuration line, if the cell had one
-    data: list[str] = field(default_factory=list)  # the data plane's summary lines
-    comm_ops: dict = field(default_factory=dict)  # rank key -> operations on its groups (comm)
-    restarts: int = 0
-    cluster: str | None = None  # the Ray cluster's address, None on this machine
 
 
 class Session:
@@ -305,33 +287,19 @@ class Session:
              sink: Sink, name_for) -> CellResult:
         """``job`` through the supervisor; rank 0's results for the notebook.  ``stats`` follows
         the supervisor's states and gets the job's figures however it ends."""
-        history = job_metrics.HISTORY  # rank 0's taas.log scalars, drawn live in the cell
-        plot = LivePlot(sink, lambda: history.series(job.job_id, rank=0))
+        plot, on_metrics = _live_plot(job, sink)
         supervisor = Supervisor(launcher, job, sink, name_for=name_for,
                                 on_state=lambda state: setattr(stats, "outcome", state.value),
-                                on_metrics=lambda key, rows: plot.changed(
-                                    history.add(job.job_id, keys.rank_of(key), rows)))
+                                on_metrics=on_metrics)
         started = time.monotonic()
         try:
             outcome = supervisor.run()
-            stats.outcome = "ok"
-            alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
-            if alone:
-                write_note(sink, alone, WARN)
-            if plane is not None:
-                stats.data = plane.summary()
-                for line in stats.data:
-                    write_note(sink, line, INFO)
+            _succeeded(job, outcome, plane, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
             return results.load(results.decode(outcome.result), big.channel)
         finally:
-            plot.close()
-            big.close_fds()
-            big.unlink(wait=False)  # a rank still running keeps its mapping
-            stats.wall_s = time.monotonic() - started
-            stats.exit_codes = supervisor.outcome.exit_codes
-            stats.comm_ops = supervisor.outcome.comm_ops
+            _settle(plot, big, stats, started, supervisor.outcome)
             stats.restarts = supervisor.machine.restarts
 
     # -- kept ranks (--keep) ---------------------------------------------------------------
@@ -350,24 +318,15 @@ class Session:
         stats = self.last
         assert stats is not None
         limit = options.keep if options.keep is not None else directive.KEEP_DEFAULT
-        history = job_metrics.HISTORY  # rank 0's taas.log scalars, drawn live as in _run
-        plot = LivePlot(sink, lambda: history.series(job.job_id, rank=0))
+        plot, on_metrics = _live_plot(job, sink)
         run = KeptCell(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
                        on_state=lambda state: setattr(stats, "outcome", state.value),
-                       on_metrics=lambda key, rows: plot.changed(
-                           history.add(job.job_id, keys.rank_of(key), rows)))
+                       on_metrics=on_metrics)
         shipped, self._shipped = self._shipped, {}
         started = time.monotonic()
         try:
             outcome = run.run()
-            stats.outcome = "ok"
-            alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
-            if alone:
-                write_note(sink, alone, WARN)
-            if job.data is not None:  # the loaders' summary, as after a one-cell job
-                stats.data = job.data.summary()
-                for line in stats.data:
-                    write_note(sink, line, INFO)
+            _succeeded(job, outcome, job.data, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
             channel = big.channel or (run.kept.channel if run.kept is not None else None)
@@ -375,15 +334,10 @@ class Session:
             shipped.update(back.values)  # the ranks hold what came back: not sent again
             return back
         finally:
-            plot.close()
             if run.kept is not None and run.kept.channel is None:  # they just started: theirs
                 run.kept.channel, big.channel = big.channel, None
             self.keeper.after_cell(run.kept, shipped)
-            big.close_fds()
-            big.unlink(wait=False)
-            stats.wall_s = time.monotonic() - started
-            stats.exit_codes = run.outcome.exit_codes
-            stats.comm_ops = run.outcome.comm_ops
+            _settle(plot, big, stats, started, run.outcome)
 
     @property
     def kept(self) -> Kept | None:
@@ -409,3 +363,36 @@ class Session:
         from taas.data.plane import DataPlane
 
         return DataPlane.plan(values, options, world, device)
+
+
+# -- what a one-cell job and a kept cell share -------------------------------------------------
+def _live_plot(job: Job, sink: Sink):
+    """Rank 0's taas.log scalars, drawn live in the cell: the plot, and the supervisor's
+    ``on_metrics`` that feeds it."""
+    history = job_metrics.HISTORY
+    plot = LivePlot(sink, lambda: history.series(job.job_id, rank=0))
+    return plot, lambda key, rows: plot.changed(history.add(job.job_id, keys.rank_of(key), rows))
+
+
+def _succeeded(job: Job, outcome, plane: DataPlane | None, stats: JobStats, sink: Sink) -> None:
+    """After a job whose ranks all succeeded: the line when each rank trained alone, and the
+    loaders' summary."""
+    stats.outcome = "ok"
+    alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
+    if alone:
+        write_note(sink, alone, WARN)
+    if plane is not None:
+        stats.data = plane.summary()
+        for line in stats.data:
+            write_note(sink, line, INFO)
+
+
+def _settle(plot: LivePlot, big: BigValues, stats: JobStats, started: float, outcome) -> None:
+    """However the job ended: the plot's last frame, the big values' files (a rank still
+    running keeps its mapping), the job's figures for ``%taas``."""
+    plot.close()
+    big.close_fds()
+    big.unlink(wait=False)
+    stats.wall_s = time.monotonic() - started
+    stats.exit_codes = outcome.exit_codes
+    stats.comm_ops = outcome.comm_ops

@@ -8,6 +8,7 @@ processes, IPython or the machine.
       what    payload (the cell, the notebook's values it reads), data (registered loaders)
       where   World: ranks, device, backend
       policy  Policy: timeout, restarts, stall, storage, output shown, results wanted
+    JobStats  what became of it, for ``%taas``
 """
 
 from __future__ import annotations
@@ -46,3 +47,22 @@ class Job:
     env: dict = field(default_factory=dict)  # added to every process's environment
     shared_fds: tuple[int, ...] = ()  # read-only files every process gets (big values)
     cleanups: tuple = ()  # hooks that free the job's files if the kernel dies (LaunchSpec.cleanups)
+
+
+@dataclass
+class JobStats:
+    """What ``%taas`` says of the last job (taas.status): its world, how it ended, its figures."""
+
+    job_id: str
+    world_size: int
+    device: str
+    backend: str
+    wall_s: float = 0.0
+    outcome: str = "preparing"  # the supervisor's state (taas.supervisor.supervisor.State), then ok/failed/...
+    exit_codes: dict = field(default_factory=dict)
+    loaders: list[str] = field(default_factory=list)
+    config: str | None = None  # DataSphere '#!NAME' configuration line, if the cell had one
+    data: list[str] = field(default_factory=list)  # the data plane's summary lines
+    comm_ops: dict = field(default_factory=dict)  # rank key -> operations on its groups (comm)
+    restarts: int = 0
+    cluster: str | None = None  # the Ray cluster's address, None on this machine
