@@ -21,6 +21,7 @@ from tests.support.cluster_helpers import (agents, connected_kernel, job_process
                                           placement_groups_left)
 from tests.support.kernel_driver import (cell, cmdline, is_alive, plain, shm_entries, unmapped_shm,
                                          wait_for, wait_until_gone)
+from tests.support.kept import ok, typo_and_interrupt_keep_the_state
 from tests.support.ranks import per_rank
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -30,11 +31,6 @@ import os
 print("where", os.environ["RANK"], os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"], os.getpid(),
       state, flush=True)
 """
-
-
-def _ok(run):
-    assert run.error is None, run.stdout + run.stderr + run.traceback
-    return run
 
 
 def _ranks(ray_cluster) -> list[int]:
@@ -53,7 +49,7 @@ def _released(ray_cluster, pids, timeout=10.0) -> None:
 
 
 def test_kept_ranks_keep_their_namespace_on_both_nodes_and_are_shown_and_released(kernel, ray_cluster):
-    first = _ok(kernel.run(cell("""
+    first = ok(kernel.run(cell("""
         %%taas --gpus 4 --keep
         import torch, torch.distributed as dist
         state = 40 + dist.get_rank()
@@ -63,7 +59,7 @@ def test_kept_ranks_keep_their_namespace_on_both_nodes_and_are_shown_and_release
     pids = _ranks(ray_cluster)
     assert len(pids) == 4
     # No --gpus: the same world, on the same processes, in the same namespaces, on both nodes.
-    second = _ok(kernel.run(cell("""
+    second = ok(kernel.run(cell("""
         %%taas
         state += 1
         t = torch.ones(1)
@@ -73,72 +69,49 @@ def test_kept_ranks_keep_their_namespace_on_both_nodes_and_are_shown_and_release
     after = _where(second)
     assert {r: (g, lr, pid, s - 1) for r, (g, lr, pid, s) in after.items()} == before, (before, after)
     assert [after[r][:2] for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)], after
-    assert _ok(kernel.run("print(state, total)")).stdout.split() == ["41", "4.0"]  # rank 0's names
+    assert ok(kernel.run("print(state, total)")).stdout.split() == ["41", "4.0"]  # rank 0's names
     assert _ranks(ray_cluster) == pids
-    status = _ok(kernel.run("%taas")).stdout
+    status = ok(kernel.run("%taas")).stdout
     assert "kept ranks: 4 on cpu/gloo on the cluster, 2 cell(s)" in status, status
     assert "GPUs reserved on the cluster: 2 on 127.0.1.1, 2 on 127.0.1.2" in status, status
     assert "rank3" in status and "MiB" in status, status
     held = placement_groups_left(ray_cluster, wait=0)  # its stdout, then Ray's stderr
     assert held.splitlines()[0] == "1", held  # the GPUs stay reserved between cells
-    released = _ok(kernel.run("%taas release"))
+    released = ok(kernel.run("%taas release"))
     assert "released the kept ranks (4 on cpu/gloo)" in released.stdout
     _released(ray_cluster, pids, timeout=5)
-    assert "kept ranks" not in _ok(kernel.run("%taas")).stdout
+    assert "kept ranks" not in ok(kernel.run("%taas")).stdout
 
 
 def test_another_world_fresh_and_the_idle_limit_end_the_kept_ranks(kernel, ray_cluster):
-    _ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
+    ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
     pids = _ranks(ray_cluster)
-    run = _ok(kernel.run("%%taas --gpus 2\nimport os\nos.environ['WORLD_SIZE']"))
+    run = ok(kernel.run("%%taas --gpus 2\nimport os\nos.environ['WORLD_SIZE']"))
     assert run.result == "'2'"
     lines = [line for line in run.stderr.splitlines() if "released the kept ranks" in line]
     assert len(lines) == 1 and "asks for 2 rank(s)" in lines[0], run.stderr
     assert wait_until_gone(pids, timeout=10) == []
-    _ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
+    ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
     pids = _ranks(ray_cluster)
-    run = _ok(kernel.run("%%taas --gpus 4 --fresh --keep 2s\n'x' in dir()"))
+    run = ok(kernel.run("%%taas --gpus 4 --fresh --keep 2s\n'x' in dir()"))
     assert run.result == "False"  # fresh ranks: the kept namespace is gone
     assert "released the kept ranks (4 on cpu/gloo): --fresh" in run.stderr
     assert wait_until_gone(pids, timeout=10) == []
     pids = _ranks(ray_cluster)
     _released(ray_cluster, pids, timeout=15)  # the idle limit (2 s) ends them without a cell
-    run = _ok(kernel.run("%%taas --gpus 4\n'x' in dir()"))
+    run = ok(kernel.run("%%taas --gpus 4\n'x' in dir()"))
     assert run.result == "False"
     assert "were released after 2 s idle (--keep 2s)" in run.stderr, run.stderr
 
 
 def test_a_failed_cell_and_an_interrupt_keep_the_state(kernel, ray_cluster):
-    _ok(kernel.run("%%taas --gpus 4 --keep\nimport os, time\npid = os.getpid()\nkept = 'yes'"))
-    pids = _ranks(ray_cluster)
-    run = kernel.run("%%taas\nkept_typo")
-    assert run.error is not None and run.error["ename"] == "JobFailed"
-    assert "NameError" in plain(run.traceback) and "line 2" in plain(run.traceback)
-    assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
-
-    seen = {}
-
-    def on_output(out):
-        if all(f"[rank{r}] spinning" in per_rank(out.stdout) for r in range(4)) and "at" not in seen:
-            seen["at"] = time.monotonic()
-            kernel.km.interrupt_kernel()
-
-    run = kernel.run("%%taas\nprint('spinning', flush=True)\nwhile True:\n    time.sleep(0.05)",
-                     on_output=on_output)
-    assert "at" in seen, run.stdout + run.stderr
-    assert run.error is not None and run.error["ename"] == "KeyboardInterrupt", run.stderr
-    assert time.monotonic() - seen["at"] < 10
-    text = plain(run.traceback)
-    assert "the kept ranks and their state stay" in text, text
-    assert "rank3" in text and ("line 4" in text or "line 3" in text), text  # where each rank was
-    assert _ranks(ray_cluster) == pids
-    assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
-    _ok(kernel.run("%taas release"))
+    pids = typo_and_interrupt_keep_the_state(kernel, 4, lambda: _ranks(ray_cluster), named="rank3")
+    ok(kernel.run("%taas release"))
     _released(ray_cluster, pids)
 
 
 def test_back_to_back_kept_cells_each_run_whole_on_the_same_ranks(kernel, ray_cluster):
-    _ok(kernel.run("%%taas --gpus 4 --keep\nimport os, torch, torch.distributed as dist\npid = os.getpid()"))
+    ok(kernel.run("%%taas --gpus 4 --keep\nimport os, torch, torch.distributed as dist\npid = os.getpid()"))
     pids = _ranks(ray_cluster)
     cells = [cell(f"""
         %%taas
@@ -153,12 +126,12 @@ def test_back_to_back_kept_cells_each_run_whole_on_the_same_ranks(kernel, ray_cl
     seen = kernel.run("print(total0, total1, total2, same0, same1, same2)")
     assert seen.stdout.split() == ["6.0", "10.0", "14.0", "True", "True", "True"], seen.stdout
     assert _ranks(ray_cluster) == pids
-    _ok(kernel.run("%taas release"))
+    ok(kernel.run("%taas release"))
     _released(ray_cluster, pids)
 
 
 def test_a_lost_rank_ends_the_kept_ranks_in_one_line(kernel, ray_cluster):
-    _ok(kernel.run("%%taas --gpus 4 --keep\nimport os, signal\nkept = 1"))
+    ok(kernel.run("%%taas --gpus 4 --keep\nimport os, signal\nkept = 1"))
     pids = _ranks(ray_cluster)
     run = kernel.run(cell("""
         %%taas
@@ -173,14 +146,14 @@ def test_a_lost_rank_ends_the_kept_ranks_in_one_line(kernel, ray_cluster):
     assert len(lost) == 1, run.stderr
     assert "rank3 was killed by SIGKILL" in plain(run.traceback), plain(run.traceback)
     assert wait_until_gone(pids, timeout=max(0.1, 5 - (time.monotonic() - ended))) == []
-    assert _ok(kernel.run("%%taas --gpus 4\n'kept' in dir()")).result == "False"  # fresh ranks
+    assert ok(kernel.run("%%taas --gpus 4\n'kept' in dir()")).result == "False"  # fresh ranks
 
     # A rank killed between cells: the next cell says so in one line and starts fresh ranks.
-    _ok(kernel.run("%%taas --gpus 4 --keep\nkept = 1"))
+    ok(kernel.run("%%taas --gpus 4 --keep\nkept = 1"))
     pids = _ranks(ray_cluster)
     os.kill(pids[-1], signal.SIGKILL)
     wait_for(lambda: not is_alive(pids[-1]), timeout=10, what="the rank gone")
-    run = _ok(kernel.run("%%taas --gpus 4\n'kept' in dir()"))
+    run = ok(kernel.run("%%taas --gpus 4\n'kept' in dir()"))
     assert run.result == "False"
     lines = [line for line in run.stderr.splitlines() if "released the kept ranks" in line]
     assert len(lines) == 1 and "state is lost" in lines[0], run.stderr
@@ -188,18 +161,18 @@ def test_a_lost_rank_ends_the_kept_ranks_in_one_line(kernel, ray_cluster):
 
 
 def test_leaving_the_cluster_and_unloading_taas_end_the_kept_ranks(kernel, ray_cluster):
-    _ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
+    ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
     pids = _ranks(ray_cluster)
-    local = _ok(kernel.run("%taas cluster local"))
+    local = ok(kernel.run("%taas cluster local"))
     assert "released the kept ranks (4 on cpu/gloo)" in local.stdout, local.stdout
     _released(ray_cluster, pids)
-    _ok(kernel.run(f"%taas cluster {ray_cluster.address}"))
-    _ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
+    ok(kernel.run(f"%taas cluster {ray_cluster.address}"))
+    ok(kernel.run("%%taas --gpus 4 --keep\nx = 1"))
     pids = _ranks(ray_cluster)
-    _ok(kernel.run("%unload_ext taas"))
+    ok(kernel.run("%unload_ext taas"))
     _released(ray_cluster, pids)
-    _ok(kernel.run("%load_ext taas"))
-    _ok(kernel.run(f"%taas cluster {ray_cluster.address}"))  # as the module's fixture left it
+    ok(kernel.run("%load_ext taas"))
+    ok(kernel.run(f"%taas cluster {ray_cluster.address}"))  # as the module's fixture left it
 
 
 def test_a_killed_kernel_leaves_nothing_of_its_kept_ranks(ray_cluster, tmp_path):
@@ -207,8 +180,8 @@ def test_a_killed_kernel_leaves_nothing_of_its_kept_ranks(ray_cluster, tmp_path)
     shm = shm_entries()
     k = connected_kernel(ray_cluster, tmp_path)
     try:
-        _ok(k.run("import torch\nbig = torch.ones(4 << 20)"))  # 16 MiB: travels as a shared file
-        _ok(k.run("%%taas --gpus 4 --keep\nx = float(big.sum())\nprint('up', flush=True)"))
+        ok(k.run("import torch\nbig = torch.ones(4 << 20)"))  # 16 MiB: travels as a shared file
+        ok(k.run("%%taas --gpus 4 --keep\nx = float(big.sum())\nprint('up', flush=True)"))
         ranks = _ranks(ray_cluster)
         mine = [pid for pid in agents(ray_cluster) if pid not in others]
         assert len(ranks) == 4 and mine
@@ -227,9 +200,9 @@ def test_rank_zeros_files_reach_the_notebook_after_each_kept_cell_on_copy_nodes(
     """Nodes with a copy of the working directory: what rank 0 writes is in the notebook's
     directory when each kept cell ends, and what the notebook writes between kept cells reaches
     the copies before the next."""
-    _ok(kernel.run(f"%taas cluster {ray_cluster.address} --workdir copy"))
+    ok(kernel.run(f"%taas cluster {ray_cluster.address} --workdir copy"))
     try:
-        _ok(kernel.run(cell("""
+        ok(kernel.run(cell("""
             %%taas --gpus 4 --keep
             import os, torch.distributed as dist
             if dist.get_rank() == 0:
@@ -239,8 +212,8 @@ def test_rank_zeros_files_reach_the_notebook_after_each_kept_cell_on_copy_nodes(
         pids = _ranks(ray_cluster)
         where = (kernel.workdir / "kept-one.txt").read_text()
         assert where != str(kernel.workdir)  # rank 0 ran in its node's copy
-        _ok(kernel.run("with open('from-notebook.txt', 'w') as f:\n    f.write('hello')"))
-        run = _ok(kernel.run(cell("""
+        ok(kernel.run("with open('from-notebook.txt', 'w') as f:\n    f.write('hello')"))
+        run = ok(kernel.run(cell("""
             %%taas
             print("read", open("from-notebook.txt").read(), flush=True)
             if dist.get_rank() == 0:
@@ -250,7 +223,7 @@ def test_rank_zeros_files_reach_the_notebook_after_each_kept_cell_on_copy_nodes(
         assert per_rank(run.stdout).count("read hello") == 4, run.stdout
         assert (kernel.workdir / "kept-two.txt").read_text() == "two"
         assert _ranks(ray_cluster) == pids
-        _ok(kernel.run("%taas release"))
+        ok(kernel.run("%taas release"))
         _released(ray_cluster, pids)
     finally:
         kernel.run(f"%taas cluster {ray_cluster.address} --workdir auto")  # as the fixture left it

@@ -20,6 +20,7 @@ from tests.support.cluster_helpers import (agents, connected_kernel, job_process
                                           placement_groups_left, relays)
 from tests.support.kernel_driver import (cell, cmdline, plain, shm_entries, unmapped_shm, wait_for,
                                          wait_until_gone)
+from tests.support.kept import ok
 from tests.support.ranks import per_rank
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -61,11 +62,6 @@ print("LOG", json.dumps([os.getpid(), os.environ["TAAS_NODE_ID"], got, sorted(lo
 """
 
 
-def _ok(run):
-    assert run.error is None, run.stdout + run.stderr + run.traceback
-    return run
-
-
 def _logs(run) -> dict[int, list]:
     out = {}
     for line in per_rank(run.stdout).splitlines():
@@ -87,7 +83,7 @@ def _loader_job(ray_cluster) -> list[int]:
 def _released(kernel, ray_cluster, pids, shm: set) -> None:
     """``%taas release``: the kept ranks, any loader worker or relay, their placement group and
     their shared memory go (other kernels' segments may be mapped: only unmapped ones leak)."""
-    _ok(kernel.run("%taas release"))
+    ok(kernel.run("%taas release"))
     assert wait_until_gone(pids, timeout=5) == [], [cmdline(p) for p in job_processes(ray_cluster)]
     assert wait_until_gone(_loader_job(ray_cluster), timeout=5) == []
     assert placement_groups_left(ray_cluster) == "0"
@@ -96,7 +92,7 @@ def _released(kernel, ray_cluster, pids, shm: set) -> None:
 
 @pytest.fixture(scope="module")
 def cpu_nodes(kernel):
-    run = _ok(kernel.run(cell(SETUP)))
+    run = ok(kernel.run(cell(SETUP)))
     return re.search(r"CPU (\S+)", run.stdout).group(1).split(",")
 
 
@@ -106,7 +102,7 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_on_the_cpu_node
     inner: dict[int, int] = {}  # rank -> its pid as it sees it (inside the cluster's namespace)
     try:
         for i in range(2):  # the same loader in two kept cells, on the same ranks
-            run = _ok(kernel.run(("%%taas --gpus 4 --cpus 2 --keep\n" if i == 0 else "%%taas --cpus 2\n")
+            run = ok(kernel.run(("%%taas --gpus 4 --cpus 2 --keep\n" if i == 0 else "%%taas --cpus 2\n")
                                  + cell(READ)))
             logs = _logs(run)
             assert sorted(logs) == [0, 1, 2, 3], run.stdout + run.stderr
@@ -121,7 +117,7 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_on_the_cpu_node
             # The cell's loader workers and relays end with it; the ranks stay.
             assert wait_until_gone(_loader_job(ray_cluster), timeout=10) == []
             assert _ranks(ray_cluster) == pids
-        assert _ok(kernel.run("%%taas\nlen(got)")).result == "10"  # the state is rank 0's
+        assert ok(kernel.run("%%taas\nlen(got)")).result == "10"  # the state is rank 0's
     finally:
         _released(kernel, ray_cluster, pids, shm)
 
@@ -129,11 +125,11 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_on_the_cpu_node
 def test_a_loader_failing_in_a_kept_cell_raises_in_the_ranks_and_the_state_stays(kernel, ray_cluster, cpu_nodes,
                                                                                 tmp_path):
     shm = shm_entries()
-    _ok(kernel.run(f"bad = DataLoader(Own(200, fail=150, after={str(tmp_path)!r}), batch_size=2)\n"
+    ok(kernel.run(f"bad = DataLoader(Own(200, fail=150, after={str(tmp_path)!r}), batch_size=2)\n"
                    "taas.register(bad)"))
     pids: list[int] = []
     try:
-        _ok(kernel.run("%%taas --gpus 4 --keep\nimport os\npid = os.getpid()\nkept = 'yes'"))
+        ok(kernel.run("%%taas --gpus 4 --keep\nimport os\npid = os.getpid()\nkept = 'yes'"))
         pids = _ranks(ray_cluster)
         # One worker: its first slice is ready before it fails, once every rank is in the cell.
         run = kernel.run(cell(f"""
@@ -158,8 +154,8 @@ def test_a_loader_failing_in_a_kept_cell_raises_in_the_ranks_and_the_state_stays
         assert wait_until_gone(_loader_job(ray_cluster), timeout=10) == []
         assert _ranks(ray_cluster) == pids
         # The state is there, and the next cell runs on the same ranks, with a healthy loader.
-        assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
-        after = _ok(kernel.run("%%taas\nprint('next', sum(len(b['i']) for b in loader))"))
+        assert ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
+        after = ok(kernel.run("%%taas\nprint('next', sum(len(b['i']) for b in loader))"))
         assert sum(int(n) for n in re.findall(r"next (\d+)", per_rank(after.stdout))) == 40, after.stdout
         assert _ranks(ray_cluster) == pids
     finally:
@@ -172,8 +168,8 @@ def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_relay_or_shared_memor
     shm = shm_entries()
     k = connected_kernel(ray_cluster, tmp_path)
     try:
-        _ok(k.run(cell(SETUP)))
-        _ok(k.run("%%taas --gpus 4 --keep\nx = 1"))
+        ok(k.run(cell(SETUP)))
+        ok(k.run("%%taas --gpus 4 --keep\nx = 1"))
         ranks = _ranks(ray_cluster)
         k.run("slow = DataLoader(Own(2000), batch_size=1)\ntaas.register(slow)")
         k.execute("%%taas --cpus 2 --units 1000\nimport time\nfor b in slow:\n    time.sleep(1)")

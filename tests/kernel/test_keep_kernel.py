@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.kernel_driver import (cell, is_alive, one_line_usage_error, plain, process_name, wait_for,
                                          wait_until_gone)
+from tests.support.kept import ok, typo_and_interrupt_keep_the_state
 from tests.support.launchers import kernel_on, on_both_launchers
 from tests.support.ranks import per_rank
 
@@ -30,14 +31,9 @@ def _rank_pids(kernel) -> list[int]:
     return sorted(p.pid for p in kernel.descendants() if process_name(p).startswith("taas-rank"))
 
 
-def _ok(run):
-    assert run.error is None, run.stdout + run.stderr + run.traceback
-    return run
-
-
 @on_both_launchers
 def test_kept_ranks_keep_their_namespace_and_are_shown_and_released(kernel, clean):
-    _ok(kernel.run(cell("""
+    ok(kernel.run(cell("""
         %%taas --gpus 2 --keep
         import os, torch.distributed as dist
         pid = os.getpid()
@@ -46,74 +42,51 @@ def test_kept_ranks_keep_their_namespace_and_are_shown_and_released(kernel, clea
     pids = _rank_pids(kernel)
     assert len(pids) == 2
     # No --gpus: the same world, on the same processes, in the same namespaces.
-    run = _ok(kernel.run("%%taas\nstate += 1\nprint('state', state)\nos.getpid() == pid"))
+    run = ok(kernel.run("%%taas\nstate += 1\nprint('state', state)\nos.getpid() == pid"))
     assert run.result == "True"
     assert "[rank0] state 41" in run.stdout and "[rank1] state 42" in run.stdout
-    assert _ok(kernel.run("state")).result == "41"  # rank 0's names come back
+    assert ok(kernel.run("state")).result == "41"  # rank 0's names come back
     # Another cell of the same world, with --keep again: still the same ranks.
-    assert _ok(kernel.run("#pragma taas --gpus 2 --keep\nos.getpid() == pid")).result == "True"
+    assert ok(kernel.run("#pragma taas --gpus 2 --keep\nos.getpid() == pid")).result == "True"
     assert _rank_pids(kernel) == pids
-    status = _ok(kernel.run("%taas"))
+    status = ok(kernel.run("%taas"))
     assert "kept ranks: 2 on cpu/gloo on this machine" in status.stdout, status.stdout
     assert "idle" in status.stdout and "rank0" in status.stdout and "MiB" in status.stdout
-    released = _ok(kernel.run("%taas release"))
+    released = ok(kernel.run("%taas release"))
     assert "released the kept ranks (2 on cpu/gloo)" in released.stdout
     assert wait_until_gone(pids) == []
-    assert "kept ranks" not in _ok(kernel.run("%taas")).stdout
-    assert "no kept ranks" in _ok(kernel.run("%taas release")).stdout
+    assert "kept ranks" not in ok(kernel.run("%taas")).stdout
+    assert "no kept ranks" in ok(kernel.run("%taas release")).stdout
 
 
 # Local launcher only (suite time): the Keeper's choice; the launcher sees stop and close.
 def test_another_world_or_fresh_ends_the_kept_ranks_first(kernel, clean):
-    _ok(kernel.run("%%taas --gpus 2 --keep\nx = 1"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nx = 1"))
     pids = _rank_pids(kernel)
-    run = _ok(kernel.run("%%taas --gpus 1\nimport os\nos.environ['WORLD_SIZE']"))
+    run = ok(kernel.run("%%taas --gpus 1\nimport os\nos.environ['WORLD_SIZE']"))
     assert run.result == "'1'"
     lines = [line for line in run.stderr.splitlines() if "released the kept ranks" in line]
     assert len(lines) == 1 and "asks for 1 rank(s)" in lines[0], run.stderr
     assert wait_until_gone(pids) == []
-    _ok(kernel.run("%%taas --gpus 2 --keep\nx = 1"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nx = 1"))
     pids = _rank_pids(kernel)
-    run = _ok(kernel.run("%%taas --gpus 2 --fresh --keep\n'x' in dir()"))
+    run = ok(kernel.run("%%taas --gpus 2 --fresh --keep\n'x' in dir()"))
     assert run.result == "False"  # fresh ranks: the kept namespace is gone
     assert "released the kept ranks (2 on cpu/gloo): --fresh" in run.stderr
     assert wait_until_gone(pids) == []
-    _ok(kernel.run("%taas release"))
+    ok(kernel.run("%taas release"))
 
 
 @on_both_launchers
 def test_a_failed_cell_and_an_interrupt_keep_the_state(kernel, clean):
-    _ok(kernel.run("%%taas --gpus 2 --keep\nimport os, time\npid = os.getpid()\nkept = 'yes'"))
-    pids = _rank_pids(kernel)
-    run = kernel.run("%%taas\nkept_typo")
-    assert run.error is not None and run.error["ename"] == "JobFailed"
-    assert "NameError" in plain(run.traceback) and "line 2" in plain(run.traceback)
-    assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
-
-    seen = {}
-
-    def on_output(out):
-        if "[rank1] spinning" in per_rank(out.stdout) and "at" not in seen:
-            seen["at"] = time.monotonic()
-            kernel.km.interrupt_kernel()
-
-    run = kernel.run("%%taas\nprint('spinning', flush=True)\nwhile True:\n    time.sleep(0.05)",
-                     on_output=on_output)
-    assert "at" in seen
-    assert run.error is not None and run.error["ename"] == "KeyboardInterrupt", run.stderr
-    assert time.monotonic() - seen["at"] < 10
-    text = plain(run.traceback)
-    assert "the kept ranks and their state stay" in text
-    assert "rank0" in text and ("line 4" in text or "line 3" in text), text  # where each rank was
-    assert _rank_pids(kernel) == pids
-    assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
-    _ok(kernel.run("%taas release"))
+    pids = typo_and_interrupt_keep_the_state(kernel, 2, lambda: _rank_pids(kernel))
+    ok(kernel.run("%taas release"))
     assert wait_until_gone(pids) == []
 
 
 @on_both_launchers
 def test_a_rank_that_dies_loses_the_state_in_one_line(kernel, clean):
-    _ok(kernel.run("%%taas --gpus 2 --keep\nimport os, signal\nkept = 1"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nimport os, signal\nkept = 1"))
     pids = _rank_pids(kernel)
     run = kernel.run(cell("""
         %%taas
@@ -127,16 +100,16 @@ def test_a_rank_that_dies_loses_the_state_in_one_line(kernel, clean):
     assert len(lost) == 1, run.stderr
     assert "rank1 was killed by SIGKILL" in plain(run.traceback)
     assert wait_until_gone(pids) == []
-    run = _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()"))  # fresh ranks
+    run = ok(kernel.run("%%taas --gpus 2\n'kept' in dir()"))  # fresh ranks
     assert run.result == "False"
 
     # A rank killed between cells: the next cell says so and starts fresh ranks.
-    _ok(kernel.run("%%taas --gpus 2 --keep\nkept = 1"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nkept = 1"))
     pids = _rank_pids(kernel)
     os.kill(pids[-1], signal.SIGKILL)
     wait_for(lambda: not is_alive(pids[-1]), timeout=10, what="the rank gone")
     time.sleep(0.5)
-    run = _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()"))
+    run = ok(kernel.run("%%taas --gpus 2\n'kept' in dir()"))
     assert run.result == "False"
     lines = [line for line in run.stderr.splitlines() if "released the kept ranks" in line]
     assert len(lines) == 1 and "state is lost" in lines[0], run.stderr
@@ -145,11 +118,11 @@ def test_a_rank_that_dies_loses_the_state_in_one_line(kernel, clean):
 
 # Local launcher only (suite time): the Keeper's timer; the launcher sees stop and close.
 def test_idle_limit_releases_the_ranks_and_the_next_cell_says_why(kernel, clean):
-    _ok(kernel.run("#pragma taas --gpus 2 --keep 2s\nx = 1"))
+    ok(kernel.run("#pragma taas --gpus 2 --keep 2s\nx = 1"))
     pids = _rank_pids(kernel)
     assert len(pids) == 2
     assert wait_until_gone(pids, timeout=15) == []  # without any cell
-    run = _ok(kernel.run("%%taas --gpus 2\n'x' in dir()"))
+    run = ok(kernel.run("%%taas --gpus 2\n'x' in dir()"))
     assert run.result == "False"
     lines = [line for line in run.stderr.splitlines() if "were released after" in line]
     assert len(lines) == 1 and "--keep 2s" in lines[0], run.stderr
@@ -163,29 +136,29 @@ def test_keep_with_max_restarts_is_a_usage_error(kernel, clean):
 
 @on_both_launchers
 def test_an_unchanged_tensor_is_not_sent_again(kernel, clean):
-    _ok(kernel.run("import torch\nt = torch.zeros(3)"))
-    _ok(kernel.run("%%taas --gpus 2 --keep\nfloat(t.sum())"))
+    ok(kernel.run("import torch\nt = torch.zeros(3)"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nfloat(t.sum())"))
     # The ranks change their own copy in place; the notebook's is unchanged, so it is not
     # sent again and the ranks keep theirs.
-    _ok(kernel.run("%%taas\n_ = t.add_(1)"))
-    assert _ok(kernel.run("%%taas\nfloat(t.sum())")).result == "3.0"
+    ok(kernel.run("%%taas\n_ = t.add_(1)"))
+    assert ok(kernel.run("%%taas\nfloat(t.sum())")).result == "3.0"
     # Changed in the notebook (in place): sent again.
-    _ok(kernel.run("_ = t.add_(5)"))
-    assert _ok(kernel.run("%%taas\nfloat(t.sum())")).result == "15.0"
+    ok(kernel.run("_ = t.add_(5)"))
+    assert ok(kernel.run("%%taas\nfloat(t.sum())")).result == "15.0"
     # Rebound in the notebook: sent again.
-    _ok(kernel.run("t = torch.ones(2)"))
-    assert _ok(kernel.run("%%taas\nfloat(t.sum())")).result == "2.0"
-    _ok(kernel.run("%taas release"))
+    ok(kernel.run("t = torch.ones(2)"))
+    assert ok(kernel.run("%%taas\nfloat(t.sum())")).result == "2.0"
+    ok(kernel.run("%taas release"))
 
 
 @on_both_launchers
 def test_unload_ext_ends_the_kept_ranks(workdir, kernel_launcher):
     k = kernel_on(kernel_launcher, str(workdir))
     try:
-        _ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
+        ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
         pids = _rank_pids(k)
         assert len(pids) == 2
-        _ok(k.run("%unload_ext taas"))
+        ok(k.run("%unload_ext taas"))
         assert wait_until_gone(pids, timeout=5) == []
     finally:
         k.shutdown()
@@ -195,7 +168,7 @@ def test_unload_ext_ends_the_kept_ranks(workdir, kernel_launcher):
 def test_killed_kernel_leaves_no_kept_rank(workdir, kernel_launcher):
     k = kernel_on(kernel_launcher, str(workdir))
     try:
-        _ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
+        ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
         tree = [p.pid for p in k.descendants()]
         assert len(_rank_pids(k)) == 2
         os.kill(k.pid, signal.SIGKILL)
@@ -206,7 +179,7 @@ def test_killed_kernel_leaves_no_kept_rank(workdir, kernel_launcher):
 
 # Local launcher only (suite time): the watch gives up; the launcher sees stop and close.
 def test_a_rank_stuck_in_a_collective_after_a_peer_raised_loses_the_state(kernel, clean):
-    _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nkept = 1"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nkept = 1"))
     pids = _rank_pids(kernel)
     started = time.monotonic()
     run = kernel.run(cell("""
@@ -223,13 +196,13 @@ def test_a_rank_stuck_in_a_collective_after_a_peer_raised_loses_the_state(kernel
     lost = [line for line in run.stderr.splitlines() if "state is lost" in line]
     assert len(lost) == 1, run.stderr
     assert wait_until_gone(pids) == []
-    assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
+    assert ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
 
 
 # Local launcher only (suite time): interrupt is covered on both by
 # test_a_failed_cell_and_an_interrupt_keep_the_state; what follows is stop and close.
 def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel, clean):
-    _ok(kernel.run("%%taas --gpus 2 --keep\nimport time, torch.distributed as dist\nkept = 1"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nimport time, torch.distributed as dist\nkept = 1"))
     pids = _rank_pids(kernel)
     seen = {}
 
@@ -254,7 +227,7 @@ def test_an_interrupt_inside_a_collective_loses_the_state_within_seconds(kernel,
     assert time.monotonic() - seen["at"] < 15
     lost = [line for line in run.stderr.splitlines() if "state is lost" in line]
     assert len(lost) == 1, run.stderr
-    assert _ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
+    assert ok(kernel.run("%%taas --gpus 2\n'kept' in dir()")).result == "False"
 
 
 @on_both_launchers
@@ -264,8 +237,8 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
     a rank (benchmarks/keep.py runs 200 and prints the figures)."""
     import psutil
 
-    _ok(kernel.run("import torch\nt = torch.ones(1024)"))
-    _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nn = 0"))
+    ok(kernel.run("import torch\nt = torch.ones(1024)"))
+    ok(kernel.run("%%taas --gpus 2 --keep\nimport torch.distributed as dist\nn = 0"))
 
     def fds(p):
         """Open fds but IPython's own history database: its writer thread opens
@@ -283,8 +256,8 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
         return [(fds(p), p.num_threads(), p.memory_info().rss) for p in procs]
 
     def kept_cell(i):
-        _ok(kernel.run(f"%%taas\nx = torch.ones(1)\ndist.all_reduce(x)\nn += 1\ns = float(t.sum()) + {i}"))
-        assert _ok(kernel.run("s")).result == f"{1024 + i:.1f}"
+        ok(kernel.run(f"%%taas\nx = torch.ones(1)\ndist.all_reduce(x)\nn += 1\ns = float(t.sum()) + {i}"))
+        assert ok(kernel.run("s")).result == f"{1024 + i:.1f}"
 
     try:
         for i in range(5):
@@ -294,7 +267,7 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
             kept_cell(i)
         after = figures()
     finally:
-        _ok(kernel.run("%taas release"))
+        ok(kernel.run("%taas release"))
     assert len(after) == len(before) == 3
     # Nothing grows (the kernel, shared with earlier tests, may still close one of theirs).
     # A leak per cell would add 30 fds or threads; the kernel's other threads (IPython's history
@@ -308,12 +281,12 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
 def test_big_results_of_kept_cells_come_back_as_memory_files_every_cell(kernel, clean):
     """The first kept cell's results channel lives as long as the kept ranks: a big tensor
     rank 0 binds comes back as a shared-memory storage (not inside the pickle) in every cell."""
-    _ok(kernel.run("%%taas --gpus 2 --keep\nimport torch\nback = torch.zeros(4 << 20)"))  # 16 MiB
+    ok(kernel.run("%%taas --gpus 2 --keep\nimport torch\nback = torch.zeros(4 << 20)"))  # 16 MiB
     for i in range(1, 4):
-        _ok(kernel.run(f"%%taas\nback = torch.full((4 << 20,), {i}.0)"))
-        run = _ok(kernel.run("print(back.untyped_storage().is_shared(), float(back[:4].sum()))"))
+        ok(kernel.run(f"%%taas\nback = torch.full((4 << 20,), {i}.0)"))
+        run = ok(kernel.run("print(back.untyped_storage().is_shared(), float(back[:4].sum()))"))
         assert run.stdout.strip() == f"True {4 * i:.1f}", run.stdout
-    _ok(kernel.run("%taas release"))
+    ok(kernel.run("%taas release"))
 
 
 @on_both_launchers
@@ -323,17 +296,17 @@ def test_kept_cells_feed_taas_metrics_and_the_plot_as_one_cell_jobs_do(kernel, c
     import ast
 
     def last_rows():
-        run = _ok(kernel.run("import taas\nm = taas.metrics()\n"
+        run = ok(kernel.run("import taas\nm = taas.metrics()\n"
                              "print(repr(m.to_dict('records') if hasattr(m, 'to_dict') else m))"))
         return ast.literal_eval(run.stdout.strip())
 
     try:
         for i in range(2):
             flag = " --gpus 2 --keep" if i == 0 else ""
-            run = _ok(kernel.run(f"%%taas{flag}\nimport taas\nfor k in range(3):\n    taas.log(loss={i}.0 + k)"))
+            run = ok(kernel.run(f"%%taas{flag}\nimport taas\nfor k in range(3):\n    taas.log(loss={i}.0 + k)"))
             assert any("image/png" in data for _, data in run.displays), run.displays
             got = last_rows()
             assert sorted((r["rank"], r["step"], r["loss"]) for r in got) == sorted(
                 (rank, k, i + k) for rank in (0, 1) for k in range(3)), got
     finally:
-        _ok(kernel.run("%taas release"))
+        ok(kernel.run("%taas release"))

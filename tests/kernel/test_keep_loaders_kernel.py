@@ -20,6 +20,7 @@ import pytest
 from tests.support import ranks
 from tests.support.kernel_driver import (cell, plain, process_name, shm_entries, wait_for,
                                          wait_until_gone)
+from tests.support.kept import ok
 from tests.support.launchers import kernel_on, on_both_launchers
 
 pytestmark = pytest.mark.kernel
@@ -70,11 +71,6 @@ def kernel(kernel):
     return kernel
 
 
-def _ok(run):
-    assert run.error is None, run.stdout + run.stderr + run.traceback
-    return run
-
-
 def _logs(run) -> dict[int, list]:
     out = {}
     for line in ranks.per_rank(run.stdout).splitlines():
@@ -103,11 +99,11 @@ def _data_maps(pid: int) -> list[str]:
 def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(kernel, clean):
     shm_before = shm_entries()
     try:
-        first = _ok(kernel.run("%%taas --gpus 2 --cpus 2 --keep\n" + cell(PASSES.format(passes=1))))
+        first = ok(kernel.run("%%taas --gpus 2 --cpus 2 --keep\n" + cell(PASSES.format(passes=1))))
         pids = [p.pid for p in _ranks(kernel)]
         fds = None
         for i in range(4):  # the same loader again and again, on the same ranks
-            run = first if i == 0 else _ok(kernel.run("%%taas --cpus 2 --units 12\n" + cell(PASSES.format(passes=2))))
+            run = first if i == 0 else ok(kernel.run("%%taas --cpus 2 --units 12\n" + cell(PASSES.format(passes=2))))
             logs = _logs(run)
             assert sorted(logs) == [0, 1], run.stdout
             assert sorted(pid for pid, _ in logs.values()) == pids  # the kept rank processes
@@ -131,12 +127,12 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(ke
                 assert fds is not None and all(b <= a for a, b in zip(fds, now)), (fds, now)
             fds = now
         # A kept cell without the loader, and one whose leftover view is spent.
-        assert _ok(kernel.run("%%taas\nlen(got[0]) > 0")).result == "True"
+        assert ok(kernel.run("%%taas\nlen(got[0]) > 0")).result == "True"
         spent = kernel.run("%%taas\nfor b in globals()['loader']:\n    pass")
         assert spent.error is not None and "from an earlier cell" in plain(spent.traceback)
         assert [p.pid for p in _ranks(kernel)] == pids
     finally:
-        _ok(kernel.run("%taas release"))
+        ok(kernel.run("%taas release"))
     assert wait_until_gone(pids) == []
     leftover = {n for n in shm_entries() - shm_before if re.fullmatch(r"taas-[0-9a-f]{12}-.*", n)}
     assert leftover == set()
@@ -151,10 +147,10 @@ def test_kept_cells_each_get_every_unit_once_from_loader_workers_of_their_own(ke
 ])
 def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, clean, how, expected, tmp_path):
     name = f"bad_{how}"
-    _ok(kernel.run(f"{name} = DataLoader(Own(40, fail=13, how='{how}', after={str(tmp_path)!r}), batch_size=2)\n"
+    ok(kernel.run(f"{name} = DataLoader(Own(40, fail=13, how='{how}', after={str(tmp_path)!r}), batch_size=2)\n"
                    f"taas.register({name})"))
     try:
-        _ok(kernel.run("%%taas --gpus 2 --keep\nimport os\npid = os.getpid()\nkept = 'yes'"))
+        ok(kernel.run("%%taas --gpus 2 --keep\nimport os\npid = os.getpid()\nkept = 'yes'"))
         pids = [p.pid for p in _ranks(kernel)]
         # One worker: it has its first slice ready before it fails (with two, the other one's
         # might not be, and the ranks would get the failure while they wait for it, before the
@@ -184,13 +180,13 @@ def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, cle
         got = sorted(line.split(" GOT ")[1] for line in got)
         assert got == [f"LoaderFailed {expected}"] * 2, (run.stdout, run.stderr, tb)
         # Their state is there.
-        assert _ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
+        assert ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
         # And a healthy loader in the next cell.
-        after = _ok(kernel.run("%%taas\nprint('next', sum(len(b) for b in loader))"))
+        after = ok(kernel.run("%%taas\nprint('next', sum(len(b) for b in loader))"))
         assert sum(int(n) for n in re.findall(r"next (\d+)", ranks.per_rank(after.stdout))) == 22, after.stdout
     finally:
         kernel.run(f"taas.unregister({name})")
-        _ok(kernel.run("%taas release"))
+        ok(kernel.run("%taas release"))
     assert wait_until_gone(pids) == []
 
 
@@ -199,7 +195,7 @@ def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_
     k = kernel_on(kernel_launcher, str(tmp_path))
     try:
         assert k.run(cell(SETUP)).error is None
-        _ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
+        ok(k.run("%%taas --gpus 2 --keep\nx = 1"))
         k.run("slow = DataLoader(Own(2000), batch_size=1)\ntaas.register(slow)")
         k.execute("%%taas --cpus 2 --units 1000\nimport time\nfor b in slow:\n    time.sleep(1)")
 
@@ -224,9 +220,9 @@ def test_a_killed_kernel_leaves_no_kept_rank_loader_worker_or_shared_memory(tmp_
 
 @on_both_launchers
 def test_an_interrupt_of_a_kept_cell_reading_a_loader_keeps_the_ranks_and_ends_the_workers(kernel, clean):
-    _ok(kernel.run("crawl = DataLoader(Own(2000), batch_size=1)\ntaas.register(crawl)"))
+    ok(kernel.run("crawl = DataLoader(Own(2000), batch_size=1)\ntaas.register(crawl)"))
     try:
-        _ok(kernel.run("%%taas --gpus 2 --keep\nimport os, time\npid = os.getpid()"))
+        ok(kernel.run("%%taas --gpus 2 --keep\nimport os, time\npid = os.getpid()"))
         pids = [p.pid for p in _ranks(kernel)]
         seen = {}
 
@@ -247,9 +243,9 @@ def test_an_interrupt_of_a_kept_cell_reading_a_loader_keeps_the_ranks_and_ends_t
         assert "the kept ranks and their state stay" in plain(run.traceback)
         assert wait_until_gone(_loader_workers(kernel)) == []
         assert [p.pid for p in _ranks(kernel)] == pids
-        after = _ok(kernel.run("%%taas --units 8\nprint('next', sum(len(b) for b in crawl), os.getpid() == pid)"))
+        after = ok(kernel.run("%%taas --units 8\nprint('next', sum(len(b) for b in crawl), os.getpid() == pid)"))
         assert sorted(re.findall(r"next (\d+) True", ranks.per_rank(after.stdout))) == ["4", "4"], after.stdout
     finally:
         kernel.run("taas.unregister(crawl)")
-        _ok(kernel.run("%taas release"))
+        ok(kernel.run("%taas release"))
     assert wait_until_gone(pids) == []
