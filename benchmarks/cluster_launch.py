@@ -159,7 +159,7 @@ def main() -> None:
         print(f"  {'Ray Train TorchTrainer.fit':<42} {trainer:7.1f} s   "
               f"({', '.join(f'{t:.1f}' for t in figures['trainer'])})")
     else:
-        print("  Ray Train not installed (pip install 'ray[train]'): no comparison")
+        print("  Ray Train not installed (pip install -e '.[bench]'): no comparison")
     back = statistics.median(c[0] for c in figures["back"])
     paused = statistics.median(c[0] for c in figures["paused"])
     print(f"  back to back / after a pause = {back / paused:.2f}   (goal: about 1)")

@@ -5,11 +5,11 @@ group: ``{"GPU": 1}`` per rank, pinned to the planned node's address, ``PACK``. 
 no Ray tasks, so the group is what tells the cluster (and other users' jobs, other kernels)
 that those GPUs are taken.
 
-The group is given back as soon as no job of ours needs it -- its ranks have all exited
-(:class:`~taas.launch.ray.job.RayJob` lets go then, before the results are read), or the job
-closed -- and at the launcher's shutdown: GPUs held between cells would block other work on a
-shared cluster.  A job that asks for the same bundles while the group is still held (the next
-attempt, started before the last one let go) reuses it.
+The group is given back :data:`LINGER` s after no job of ours needs it any more -- its ranks
+have all exited (:class:`~taas.launch.ray.job.RayJob` lets go then, before the results are
+read), or the job closed -- and at once at the launcher's shutdown: GPUs held between cells
+would block other work on a shared cluster.  A job that asks for the same bundles while the
+group is still held (the next attempt, or the next cell of a Run All) reuses it.
 
 Cells run back to back (Run All) ask for the GPUs the last cell has just given back.  Ray
 returns a removed group's GPUs within ~0.03-0.1 s (measured on the simulated cluster), but a
@@ -17,8 +17,12 @@ group asked for before they are back is pending, and the GCS retries pending gro
 backoff (100 ms growing to 1 s): such a group was ready only after 0.35-0.7 s, while one asked
 for once the GPUs were back was ready in ~5 ms.  So for :data:`RETURN_WINDOW` s after it
 removed a group, :meth:`Reservation.hold` first waits until the cluster counts the GPUs it
-needs as available (:func:`gpus_fit`, polled), then asks: a back-to-back cell reserves as fast
-as one after a pause, and no GPU is held a moment longer than a job needs it.
+needs as available (:func:`gpus_fit`, polled), then asks.  That wait still cost a back-to-back
+cell 0.03-0.08 s that a cell after a pause did not pay (warm 4-rank cells: 0.27 s back to back
+against 0.21 s after a 1 s pause), so the group lingers for :data:`LINGER` s after its last
+job: the next cell of a Run All, asked for within it, reuses the group and waits for nothing;
+a cell after a longer pause asks afresh (~5 ms, its GPUs long back).  Other work on the
+cluster waits at most that long for GPUs taas no longer uses.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ TIMEOUT = 30.0  # seconds to wait for the cluster to reserve the job's GPUs
 # cluster (measured back in 0.03-0.1 s; a busy GCS is slower).  After it, hold() asks at once.
 RETURN_WINDOW = 2.0
 _POLL = 0.01  # seconds between two looks at the cluster's available GPUs (one GCS call, < 1 ms)
+# Seconds a group outlives its last job, for a cell run right after (Run All: milliseconds
+# between cells; a person's pause is seconds).  0: given back at once.
+LINGER = 0.5
 
 
 def bundles(ips: list[str]) -> list[dict]:
@@ -90,6 +97,7 @@ class Reservation:
         self._holders: set[str] = set()  # attempts that hold the group
         self._fits = fits or gpus_fit
         self._removed_at: float | None = None  # time.monotonic() when we last removed a group
+        self._linger: threading.Timer | None = None  # removes the group LINGER s after its last job
 
     @property
     def held(self) -> list[dict] | None:
@@ -103,6 +111,7 @@ class Reservation:
 
         with self._lock:
             self._holders.add(attempt)
+            self._stop_lingering()
             if self._group is not None and self._bundles == bundles:
                 return
             self._remove_locked()
@@ -129,17 +138,38 @@ class Reservation:
             time.sleep(_POLL)
 
     def let_go(self, attempt: str) -> None:
-        """``attempt`` no longer needs its GPUs: they go back as soon as no job of ours holds
-        them.  Calling it again (the job's close after its ranks ended) does nothing."""
+        """``attempt`` no longer needs its GPUs: they go back :data:`LINGER` s after no job of
+        ours holds them, unless one asks for them again meanwhile.  Calling it again (the job's
+        close after its ranks ended) does nothing."""
         with self._lock:
             self._holders.discard(attempt)
+            if self._holders or self._group is None or self._linger is not None:
+                return
+            if LINGER <= 0:
+                self._remove_locked()
+                return
+            timer = self._linger = threading.Timer(LINGER, lambda: self._linger_ended(timer))
+            timer.daemon = True
+            timer.start()
+
+    def _linger_ended(self, timer: threading.Timer) -> None:
+        with self._lock:
+            if self._linger is not timer:  # a hold() stopped it while it waited for the lock
+                return
+            self._linger = None
             if not self._holders:
                 self._remove_locked()
+
+    def _stop_lingering(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
 
     def release(self) -> None:
         """Give the group back whoever holds it (the launcher shuts down)."""
         with self._lock:
             self._holders.clear()
+            self._stop_lingering()
             self._remove_locked()
 
     def _remove_locked(self) -> None:

@@ -206,6 +206,10 @@ class FakeRay(types.ModuleType):
 
 @pytest.fixture
 def fake_ray(monkeypatch) -> FakeRay:
+    from taas.launch.ray import reservation
+
+    # Groups go back at once here (what most tests check); test_reservation.py tests the linger.
+    monkeypatch.setattr(reservation, "LINGER", 0.0)
     ray = FakeRay()
     util = types.ModuleType("ray.util")
     strategies = types.ModuleType("ray.util.scheduling_strategies")

@@ -3,6 +3,8 @@ while a job that asked for it runs, reused by the same shape, given back at the 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from taas.errors import LaunchError
@@ -125,8 +127,6 @@ def test_the_wait_for_returning_gpus_ends_with_its_window(fake_ray, monkeypatch)
     reservation.hold(TWO, "job2")  # asked after the window: the group's own wait decides
     assert fits.calls and len(fake_ray.groups.held) == 1
     reservation.let_go("job2")
-    import time
-
     time.sleep(0.06)
     calls = len(fits.calls)
     reservation.hold(TWO, "job3")  # long after the last removal: asked at once
@@ -208,3 +208,29 @@ def test_a_stop_that_a_ranks_agent_did_not_answer_keeps_the_gpus_until_close(fak
     assert len(fake_ray.groups.held) == 1  # node b's ranks may still hold their GPUs
     job.close()
     assert fake_ray.groups.held == []
+
+
+def test_a_group_lingers_for_the_next_cell_then_goes_back(fake_ray, monkeypatch):
+    """Run All: the next cell, asked for within LINGER s, reuses the group (no wait for GPUs on
+    their way back); with nobody asking, it goes back LINGER s after its last job."""
+    from taas.launch.ray import reservation as module
+
+    monkeypatch.setattr(module, "LINGER", 30.0)
+    fits = Fits(fake_ray, False)  # were the GPUs asked for afresh, they would not be back yet
+    reservation = Reservation(fits=fits)
+    reservation.hold(FOUR, "job1")
+    reservation.let_go("job1")
+    assert len(fake_ray.groups.held) == 1  # lingering
+    reservation.hold(FOUR, "job2")  # the next cell, at once
+    assert fits.calls == [] and [g.name for g in fake_ray.groups.made] == ["taas-job1"]
+    reservation.let_go("job2")
+    reservation.release()  # the launcher's shutdown: back at once, lingering or not
+    assert fake_ray.groups.held == [] and reservation.held is None
+
+    monkeypatch.setattr(module, "LINGER", 0.05)
+    reservation.hold(TWO, "job3")
+    reservation.let_go("job3")
+    deadline = time.monotonic() + 10
+    while fake_ray.groups.held and time.monotonic() < deadline:  # the linger's timer removes it
+        time.sleep(0.01)
+    assert fake_ray.groups.held == [] and reservation.held is None
