@@ -41,6 +41,7 @@ import dataclasses
 import glob
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -52,7 +53,7 @@ from taas.launch.local.launcher import LocalLauncher
 from taas.launch.ray import node_watch
 from taas.workdir import sync as workdir_sync
 
-_SLICE = 0.05  # how long one read of the job's pipes holds the lock
+_SLICE = 0.05  # at most this long between two reads of a job's pipes in a long poll
 WATCH_EVERY = 0.5  # seconds between two looks at whether the kernel is still there
 # Seconds without any call from the kernel, while a job runs, after which it counts as gone when
 # nothing better says so (see NodeAgent._watch_kernel): long, because a busy kernel is slow.
@@ -290,11 +291,15 @@ class NodeAgent:
                 job = self._job_of(attempt)
                 if job is None:
                     return [], True
-                out = list(job.events(_SLICE))
+                out = list(job.events(0))
                 finished = job.finished
-            if out or finished or time.monotonic() >= deadline:
+                fd = job.fileno()
+            now = time.monotonic()
+            if out or finished or now >= deadline:
                 return out, finished
-            time.sleep(0.001)  # let a waiting stop() take the lock
+            # The wait is outside the lock: a kept cell's lost() and next_cell(), and stop(),
+            # must not queue behind a long poll (they did, ~45 ms a call, when it read under it).
+            _wait_readable(fd, min(_SLICE, deadline - now))
 
     def stop(self, grace: float, attempt: str | None = None) -> None:
         self._polled = time.monotonic()  # the kernel is alive
@@ -381,3 +386,16 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def _wait_readable(fd: int | None, timeout: float) -> None:
+    """Until ``fd`` (a job's :meth:`~taas.launch.api.JobHandle.fileno`) is readable, at most
+    ``timeout`` s.  It may be closed meanwhile by another call (the job's close): then a
+    moment's pause, and the caller looks again."""
+    if fd is None:
+        time.sleep(min(timeout, 0.005))
+        return
+    try:
+        select.select([fd], [], [], timeout)
+    except (OSError, ValueError):
+        time.sleep(0.001)
