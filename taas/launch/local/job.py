@@ -206,7 +206,15 @@ class LocalJob(JobHandle):
             return f"{gone[0].key} ended ({_how(gone[0].returncode)})"
         if self._starter_lost or self._stopped or not self.job_dir:
             return "the job's processes were stopped"
+        # A rank gone a moment ago is unreachable before the start process reports its exit.
+        why = cells.unreachable(self.job_dir, self._kept_ranks())
+        if why is not None:
+            return f"{why.filename} cannot be reached ({why.strerror})"
         return None
+
+    def _kept_ranks(self) -> list[str]:
+        """The processes that are kept ranks: each made its cell FIFO."""
+        return [k for k in self._pids if os.path.exists(cells.fifo_path(self.job_dir, k))]
 
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
         lost = self.lost()
@@ -219,13 +227,12 @@ class LocalJob(JobHandle):
                 except FileNotFoundError:
                     pass
         jobdir.write_files(self.job_dir, files)
-        message = cells.NextCell(payload, result)
-        for key in self._pids:
-            if os.path.exists(cells.fifo_path(self.job_dir, key)):  # a kept rank made its FIFO
-                try:
-                    cells.send(self.job_dir, key, message)
-                except OSError as exc:
-                    raise LaunchError(f"the kept ranks are gone: {key} cannot be reached ({exc.strerror})") from None
+        try:
+            cells.send_all(self.job_dir, self._kept_ranks(), cells.NextCell(payload, result))
+        except OSError as exc:
+            # Gone before its exit reached us (the start process reports it a moment later):
+            # nothing was sent, so the cell can still run on fresh ranks.
+            raise KeptRanksGone(f"{exc.filename} cannot be reached ({exc.strerror})") from None
 
     def interrupt(self, keys: Iterable[str]) -> list[str]:
         sent = []

@@ -69,9 +69,13 @@ class Inbox:
     def __init__(self, job_dir: str, key: str):
         path = fifo_path(job_dir, key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if not os.path.exists(path):
-            os.mkfifo(path, 0o600)
-        self.fd = os.open(path, os.O_RDWR)  # never blocks, never sees EOF
+        if os.path.exists(path):
+            self.fd = os.open(path, os.O_RDWR)  # never blocks, never sees EOF
+        else:  # made under another name and opened first: where it is seen, it has its reader
+            fresh = f"{path}.{os.getpid()}"
+            os.mkfifo(fresh, 0o600)
+            self.fd = os.open(fresh, os.O_RDWR)
+            os.replace(fresh, path)
         self._buffer = b""
 
     def next(self) -> Message:
@@ -89,8 +93,44 @@ class Inbox:
 # ---- kernel side -----------------------------------------------------------------------------
 def send(job_dir: str, key: str, message: Message) -> None:
     """Write ``message`` to rank ``key``'s FIFO; OSError when the rank is not there."""
-    fd = os.open(fifo_path(job_dir, key), os.O_WRONLY | os.O_NONBLOCK)
+    send_all(job_dir, [key], message)
+
+
+def send_all(job_dir: str, keys, message: Message) -> None:
+    """Write ``message`` to every rank's FIFO in ``keys``, or to none: each FIFO is opened
+    first, and one with no reader (its rank is gone, though its exit may not be reported yet)
+    raises OSError before anything is written, its ``filename`` the rank's key."""
+    fds: list[int] = []
     try:
-        os.write(fd, encode(message))
+        _open_all(job_dir, keys, fds)
+        data = encode(message)
+        for fd in fds:
+            os.write(fd, data)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+
+def unreachable(job_dir: str, keys) -> OSError | None:
+    """Why a rank in ``keys`` cannot be sent a cell now (its FIFO has no reader: the rank
+    process is gone, whether or not its exit has been reported), or None."""
+    fds: list[int] = []
+    try:
+        _open_all(job_dir, keys, fds)
+    except OSError as exc:
+        return exc
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return None
+
+
+def _open_all(job_dir: str, keys, fds: list[int]) -> None:
+    # A kept rank holds its FIFO open for reading as long as it lives: opening it to write,
+    # non-blocking, fails (ENXIO) once the rank is gone.
+    for key in keys:
+        try:
+            fds.append(os.open(fifo_path(job_dir, key), os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            exc.filename = key
+            raise

@@ -105,8 +105,11 @@ class KeptCalls:
         if self._copies.paths:  # the notebook's changes since the last cell reach the nodes' copies
             self._copies.ship({n: self._agents[n] for n in self._copies.paths}, self._ip_of)
         ref = self._ray.put(files)  # once, for every node
-        errors = [f"{self._where(n)}: {message(a)}" for n, a in self._ask("next_cell", ref, payload, result).items()
-                  if isinstance(a, Exception)]
+        answers = self._ask("next_cell", ref, payload, result)
+        errors = [f"{self._where(n)}: {message(a)}" for n, a in answers.items() if isinstance(a, Exception)]
+        gone = [a for a in answers.values() if isinstance(getattr(a, "cause", a), KeptRanksGone)]
+        if gone and len(gone) == len(answers):  # no node's ranks got the cell: fresh ranks may run it
+            raise KeptRanksGone("; ".join(errors))
         if errors:
             raise LaunchError("the kept ranks are gone: " + "; ".join(errors))
 

@@ -43,3 +43,22 @@ def test_sending_to_a_rank_that_is_not_there_fails_at_once(tmp_path):
     os.mkfifo(cells.fifo_path(str(tmp_path), "rank3"))
     with pytest.raises(OSError):  # a FIFO nobody reads: ENXIO, not a hang
         cells.send(str(tmp_path), "rank3", cells.Release())
+
+
+def test_a_cell_goes_to_every_rank_or_to_none_and_a_gone_rank_is_seen_at_once(tmp_path):
+    job = str(tmp_path)
+    inboxes = [cells.Inbox(job, f"rank{r}") for r in range(3)]
+    try:
+        assert cells.unreachable(job, ["rank0", "rank1", "rank2"]) is None
+        assert sorted(os.listdir(tmp_path / cells.FIFO_DIR)) == ["rank0", "rank1", "rank2"]  # no temporary names left
+        os.close(inboxes[1].fd)  # rank 1 died: its FIFO has no reader, before anyone reports its exit
+        why = cells.unreachable(job, ["rank0", "rank1", "rank2"])
+        assert why is not None and why.filename == "rank1"
+        with pytest.raises(OSError) as info:
+            cells.send_all(job, ["rank0", "rank1", "rank2"], cells.NextCell("p.pkl", "r.pkl"))
+        assert info.value.filename == "rank1"
+        cells.send_all(job, ["rank0", "rank2"], cells.Release())
+        assert inboxes[0].next() == cells.Release() and inboxes[2].next() == cells.Release()  # not the refused cell
+    finally:
+        for inbox in (inboxes[0], inboxes[2]):
+            os.close(inbox.fd)
