@@ -336,9 +336,9 @@ class NodeAgent:
         with self._lock:
             job = self._jobs.get(self._kept or "")
             if job is None:
-                from taas.errors import LaunchError
+                from taas.errors import KeptRanksGone
 
-                raise LaunchError(f"the kept ranks on node {self.ip} were ended")
+                raise KeptRanksGone(f"the kept ranks on node {self.ip} were ended")
             job.next_cell(files, payload, result)
 
     def lost(self) -> str | None:

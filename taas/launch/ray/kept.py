@@ -107,8 +107,10 @@ class KeptCalls:
         ref = self._ray.put(files)  # once, for every node
         answers = self._ask("next_cell", ref, payload, result)
         errors = [f"{self._where(n)}: {message(a)}" for n, a in answers.items() if isinstance(a, Exception)]
-        gone = [a for a in answers.values() if isinstance(getattr(a, "cause", a), KeptRanksGone)]
-        if gone and len(gone) == len(answers):  # no node's ranks got the cell: fresh ranks may run it
+        if any(isinstance(getattr(a, "cause", a), KeptRanksGone) for a in answers.values()):
+            # A node's kept ranks went after lost() looked (a rank's exit not yet reported
+            # there): the cell runs on fresh ranks.  Ranks elsewhere that got it are stopped
+            # with the kept job, before it could get far (it waits on the missing ranks).
             raise KeptRanksGone("; ".join(errors))
         if errors:
             raise LaunchError("the kept ranks are gone: " + "; ".join(errors))

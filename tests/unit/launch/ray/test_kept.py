@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from taas.errors import LaunchError
+from taas.errors import KeptRanksGone, LaunchError
 from taas.launch.api import ProcessExit
 from taas.launch.ray.kept import KeptCalls
 
@@ -30,6 +30,7 @@ class Call:
 class Agent:
     def __init__(self, ranks, rss=0):
         self.ranks, self.rss, self.dead, self.gone = ranks, rss, False, None
+        self.refuses = None  # what its next_cell raises (as Ray does: a RayTaskError with the cause)
         self.calls = []
 
     def __getattr__(self, name):
@@ -40,7 +41,7 @@ class Agent:
 
     def do_next_cell(self, files, payload, result):
         assert files == {"payload-x.pkl": b"data"}  # the object store resolved the ref
-        return None
+        return self.refuses
 
     def do_interrupt(self, keys):
         return [k for k in keys if k in self.ranks]
@@ -128,3 +129,22 @@ def test_percent_taas_sees_memory_and_reserved_gpus_per_node():
     assert job.reserved() == "GPUs reserved on the cluster: 2 on 127.0.1.1, 2 on 127.0.1.2"
     job._let_go = True
     assert job.reserved() is None
+
+
+class RayTaskError(Exception):
+    def __init__(self, cause):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def test_a_node_whose_kept_ranks_went_after_lost_looked_sends_the_cell_to_fresh_ranks():
+    """A rank gone a moment before, its exit not yet reported on its node: lost() saw nothing,
+    the node's agent refuses the cell; KeptRanksGone, so the session runs it on fresh ranks."""
+    job = Job()
+    job._agents["b"].refuses = RayTaskError(KeptRanksGone("the kept ranks on node 127.0.1.2 were ended"))
+    with pytest.raises(KeptRanksGone, match="node 127.0.1.2: the kept ranks are gone: the kept ranks on node"):
+        job.next_cell({"payload-x.pkl": b"data"}, "payload-x.pkl", "result-x.pkl")
+    job._agents["b"].refuses = RayTaskError(LaunchError("something else"))
+    with pytest.raises(LaunchError) as info:  # any other refusal stays a LaunchError
+        job.next_cell({"payload-x.pkl": b"data"}, "payload-x.pkl", "result-x.pkl")
+    assert not isinstance(info.value, KeptRanksGone)
