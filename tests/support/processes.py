@@ -99,3 +99,20 @@ def open_files(p: psutil.Process) -> list:
         return p.open_files()
     except psutil.Error:
         return []
+
+
+def own_fds() -> set[tuple[str, str]]:
+    """This process's open fds, each with what it points at (to compare before and after)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except OSError:  # the listing's own fd
+            pass
+    return out
+
+
+def own_shm_maps(job_id: str) -> list[str]:
+    """The lines of this process's memory map that map job ``job_id``'s /dev/shm segments."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if f"/dev/shm/taas-{job_id}-" in line]

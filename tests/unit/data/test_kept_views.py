@@ -4,7 +4,6 @@ no mapping and no thread behind, and says so when a later cell iterates it."""
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 
@@ -15,6 +14,7 @@ from taas import directive
 from taas.data.plane import DataPlane
 from taas.data.transport import attach
 from taas.data.view import LoaderFailed, LoaderView
+from tests.support.processes import own_fds, own_shm_maps
 
 SHM = "taas.data.shm.transport:ShmTransport"
 
@@ -24,21 +24,6 @@ def _plane(registered, units: int):
     plane = DataPlane.plan({"data": data}, directive.parse_options(f"--gpus 1 --cpus 1 --units {units}"), 1, "cpu")
     plane.open(uuid.uuid4().hex[:12], SHM)
     return plane
-
-
-def _fds() -> set:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:  # the listing's own fd
-            pass
-    return out
-
-
-def _maps(job_id: str) -> list[str]:
-    with open("/proc/self/maps") as f:
-        return [line for line in f if f"/dev/shm/taas-{job_id}-" in line]
 
 
 def test_a_failed_worker_marked_by_the_kernel_is_raised_where_the_cell_waits(registered):
@@ -66,21 +51,21 @@ def test_a_released_view_frees_its_fds_mappings_and_thread(registered):
         cfg = plane.settings["data"]
         tx = attach(cfg["address"]).sender(0)
         assert tx.put(0, torch.zeros(200_000))  # a block of its own (not copied)
-        fds = _fds()
+        fds = own_fds()
         threads = threading.active_count()
         view = LoaderView(cfg, 0)
         first = next(iter(view))
-        assert _maps(job_id)
+        assert own_shm_maps(job_id)
         view._close()
         view._release()  # the reader waits for unit 1 that never comes: it leaves on the close
         del first
         deadline = threading.Event()
         for _ in range(40):
-            if threading.active_count() <= threads and not _fds() - fds:
+            if threading.active_count() <= threads and not own_fds() - fds:
                 break
             deadline.wait(0.05)
         assert threading.active_count() <= threads
-        assert _fds() - fds == set()  # FIFOs, and the mappings (each keeps a descriptor)
+        assert own_fds() - fds == set()  # FIFOs, and the mappings (each keeps a descriptor)
         with pytest.raises(RuntimeError, match="from an earlier cell"):
             iter(view)
     finally:

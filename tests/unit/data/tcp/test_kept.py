@@ -20,6 +20,7 @@ from taas.data.transport import attach, resolve
 from taas.data.view import LoaderFailed, LoaderView
 from tests.support.data import job_shm
 from tests.support.forks import exit_code, fork_job_process, no_leftover_children  # noqa: F401 (an autouse fixture)
+from tests.support.processes import own_fds, own_shm_maps
 
 TCP = "taas.data.tcp.transport:TcpTransport"
 LINE = "loader:data:0 failed: ValueError: sample 1 is corrupt"
@@ -41,21 +42,6 @@ def _relay(plane: DataPlane, tmp_path) -> int:
         assert time.monotonic() < deadline, "the relay did not set up"
         time.sleep(0.01)
     return pid
-
-
-def _fds() -> set:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:  # the listing's own fd
-            pass
-    return out
-
-
-def _maps(job_id: str) -> list[str]:
-    with open("/proc/self/maps") as f:
-        return [line for line in f if f"/dev/shm/taas-{job_id}-" in line]
 
 
 def test_a_failed_worker_marked_by_the_kernel_reaches_the_relay_and_the_view_raises_it(registered, tmp_path):
@@ -106,20 +92,21 @@ def test_a_released_view_frees_its_fds_mappings_and_thread(registered, tmp_path)
         worker = attach(cfg["address"])
         worker.worker(0)
         assert worker.sender(0).put(0, torch.zeros(200_000))  # a block of its own
-        fds = _fds()
+        fds = own_fds()
         threads = threading.active_count()
         view = LoaderView(cfg, 0)
         first = next(iter(view))
-        assert _maps(job_id)
+        assert own_shm_maps(job_id)
         view._close()
         view._release()  # the reader waits for unit 1 that never comes: it leaves on the close
         del first
         deadline = time.monotonic() + 10
-        while (threading.active_count() > threads or _fds() - fds or _maps(job_id)) and time.monotonic() < deadline:
+        while ((threading.active_count() > threads or own_fds() - fds or own_shm_maps(job_id))
+               and time.monotonic() < deadline):
             time.sleep(0.05)  # the reader thread leaves, then releases: a bounded wait for it
         assert threading.active_count() <= threads
-        assert _fds() - fds == set()  # FIFOs and the node's header: nothing of the view stays
-        assert _maps(job_id) == []
+        assert own_fds() - fds == set()  # FIFOs and the node's header: nothing of the view stays
+        assert own_shm_maps(job_id) == []
         with pytest.raises(RuntimeError, match="from an earlier cell"):
             iter(view)
         worker.close()
