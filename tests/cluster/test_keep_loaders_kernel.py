@@ -20,7 +20,7 @@ from tests.support.cluster_helpers import (agents, connected_kernel, job_process
                                           placement_groups_left, relays)
 from tests.support.kernel_driver import (cell, cmdline, plain, shm_entries, unmapped_shm, wait_for,
                                          wait_until_gone)
-from tests.support.kept import ok
+from tests.support.kept import loader_failure_cell, ok
 from tests.support.ranks import per_rank
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -132,17 +132,7 @@ def test_a_loader_failing_in_a_kept_cell_raises_in_the_ranks_and_the_state_stays
         ok(kernel.run("%%taas --gpus 4 --keep\nimport os\npid = os.getpid()\nkept = 'yes'"))
         pids = _ranks(ray_cluster)
         # One worker: its first slice is ready before it fails, once every rank is in the cell.
-        run = kernel.run(cell(f"""
-            %%taas --cpus 1
-            import time
-            open(os.path.join({str(tmp_path)!r}, f"rank{{os.environ['RANK']}}"), "w").close()
-            try:
-                for b in bad:
-                    time.sleep(0.01)
-            except Exception as exc:  # the ranks' cell code gets the loader's error
-                print("GOT", type(exc).__name__, exc, flush=True)
-                raise
-            """))
+        run = kernel.run(loader_failure_cell("bad", str(tmp_path)))
         assert run.error is not None and run.error["ename"] == "JobFailed", run.stdout + run.stderr
         tb = plain(run.traceback)
         expected = "loader:bad:0 failed: ValueError: sample 150 is corrupt"

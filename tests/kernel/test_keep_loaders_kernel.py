@@ -20,7 +20,7 @@ import pytest
 from tests.support import ranks
 from tests.support.kernel_driver import (cell, plain, process_name, shm_entries, wait_for,
                                          wait_until_gone)
-from tests.support.kept import ok
+from tests.support.kept import loader_failure_cell, ok
 from tests.support.launchers import kernel_on, on_both_launchers
 
 pytestmark = pytest.mark.kernel
@@ -155,17 +155,7 @@ def test_a_failing_loader_in_a_kept_cell_is_shown_and_the_ranks_stay(kernel, cle
         # One worker: it has its first slice ready before it fails (with two, the other one's
         # might not be, and the ranks would get the failure while they wait for it, before the
         # cell's code runs); it fails once both ranks are in the cell's code.
-        run = kernel.run(cell(f"""
-            %%taas --cpus 1
-            import time
-            open(os.path.join({str(tmp_path)!r}, f"rank{{os.environ['RANK']}}"), "w").close()
-            try:
-                for b in {name}:
-                    time.sleep(0.01)
-            except Exception as exc:  # the ranks' cell code gets the loader's error
-                print("GOT", type(exc).__name__, exc, flush=True)
-                raise
-            """))
+        run = kernel.run(loader_failure_cell(name, str(tmp_path)))
         assert run.error is not None and run.error["ename"] == "JobFailed", run.stdout + run.stderr
         tb = plain(run.traceback)
         assert tb.splitlines()[0] == expected, tb

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from tests.support.kernel_driver import plain
+from tests.support.kernel_driver import cell, plain
 from tests.support.ranks import per_rank
 
 
@@ -48,3 +48,20 @@ def typo_and_interrupt_keep_the_state(kernel, world: int, rank_pids: Callable[[]
     assert rank_pids() == pids
     assert ok(kernel.run("%%taas\nkept + str(os.getpid() == pid)")).result == "'yesTrue'"
     return pids
+
+
+def loader_failure_cell(loader: str, marks: str) -> str:
+    """A kept cell that reads registered loader ``loader`` (one worker) and shows the error
+    its ranks' code gets from it; each rank first leaves a file ``rank<N>`` in ``marks``, so a
+    loader made to fail only then knows every rank is in the cell's code."""
+    return cell(f"""
+        %%taas --cpus 1
+        import time
+        open(os.path.join({marks!r}, f"rank{{os.environ['RANK']}}"), "w").close()
+        try:
+            for b in {loader}:
+                time.sleep(0.01)
+        except Exception as exc:  # the ranks' cell code gets the loader's error
+            print("GOT", type(exc).__name__, exc, flush=True)
+            raise
+        """)
