@@ -283,6 +283,20 @@ class JobHandle(abc.ABC):
         return None
 
 
+def run_cleanups(hooks) -> None:
+    """Run :attr:`LaunchSpec.cleanups` hooks, ``("module:function", args)`` each, as a
+    launcher does when an attempt is over or the kernel died; a hook's error is ignored (each
+    is idempotent, and the rest must still run)."""
+    import importlib
+
+    for entry, args in hooks:
+        try:
+            module, _, name = entry.partition(":")
+            getattr(importlib.import_module(module), name)(*args)
+        except Exception:  # broad: whatever a hook raises; the kernel frees the same things too
+            pass
+
+
 class Launcher(abc.ABC):
     """Starts jobs.  A launcher may keep warm state (a start process) across jobs."""
 

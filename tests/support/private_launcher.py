@@ -31,7 +31,7 @@ import time
 from taas.errors import KeptRanksGone, LaunchError
 from taas.launch import rendezvous
 from taas.launch.api import (RESULT, JobHandle, Launcher, LaunchSpec, OutputChunk, ProcessExit, Topology,
-                             error_name)
+                             error_name, run_cleanups)
 from taas.launch.process import cells
 from tests.support.paths import with_repo_on_path
 
@@ -278,14 +278,7 @@ class PrivateJob(JobHandle):
             from taas.launch.local.jobdir import remove
 
             remove(root)
-        for entry, args in self.spec.cleanups:  # the caller frees them too; hooks are idempotent
-            module, _, function = entry.partition(":")
-            try:
-                import importlib
-
-                getattr(importlib.import_module(module), function)(*args)
-            except Exception:  # a hook's errors are ignored (launch.api: LaunchSpec.cleanups)
-                pass
+        run_cleanups(self.spec.cleanups)  # the caller frees them too; hooks are idempotent
         if self.watcher is not None:  # all is done: the watcher leaves without doing anything
             try:
                 self.watcher.communicate(b"closed\n", timeout=10)
@@ -324,15 +317,9 @@ def _watch(what: str) -> int:
         return 0
     for pgid in pgids:  # the kernel died: end what it left, free what the job held
         _killpg(pgid, signal.SIGKILL)
-    import importlib
     import shutil
 
-    for entry, args in cleanups:
-        module, _, function = entry.partition(":")
-        try:
-            getattr(importlib.import_module(module), function)(*args)
-        except Exception:  # a hook's errors are ignored (launch.api: LaunchSpec.cleanups)
-            pass
+    run_cleanups(cleanups)
     for root in roots:
         shutil.rmtree(root, ignore_errors=True)
     return 0

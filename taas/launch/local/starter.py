@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
+from taas.launch.api import run_cleanups
 from taas.launch.local import child, forksafe, guard, protocol, unix
 from taas.launch.local.limits import raise_fd_limit
 from taas.launch.local.protocol import (
@@ -134,7 +135,7 @@ class Starter:
         for job in self.jobs.values():  # the kernel cannot clean up after itself any more
             shutil.rmtree(job.job_dir, ignore_errors=True)
         for job in list(self.jobs.values()):
-            _run_cleanups(job.cleanups)
+            run_cleanups(job.cleanups)
 
     def _tell(self, message: Message) -> None:
         """Send to the kernel; if it is gone, the next recv sees EOF and shuts us down (a
@@ -265,7 +266,7 @@ class Starter:
         if job.live:
             return
         self._kill_orphans()
-        _run_cleanups(job.cleanups)  # e.g. the data plane's shared memory (the kernel frees it too)
+        run_cleanups(job.cleanups)  # e.g. the data plane's shared memory (the kernel frees it too)
         if job.stop_asked:
             self._tell(Stopped(job.job_id))
         del self.jobs[job.job_id]
@@ -303,17 +304,6 @@ class Starter:
                     os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:
                     pass
-
-
-def _run_cleanups(hooks) -> None:
-    """Run a job's LaunchSpec.cleanups: ``("module:function", args)`` each.  Also what
-    :mod:`taas.launch.ray.node_watch` runs for an agent that died."""
-    for entry, args in hooks:
-        try:
-            module, _, name = entry.partition(":")
-            getattr(importlib.import_module(module), name)(*args)
-        except Exception:  # whatever a hook raises must not stop the start process; the kernel frees it too
-            pass
 
 
 def _drain(fd: int) -> None:

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from taas.launch.api import run_cleanups
+
 POLL = 0.5  # seconds between two looks at the agent
 
 
@@ -88,7 +90,7 @@ def after(agent_pid: int) -> None:
             recorded = pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError):  # none recorded, or a torn file
         recorded = {}
-    _run_hooks(recorded.get("hooks", []))
+    run_cleanups(recorded.get("hooks", []))
     for job_dir in recorded.get("dirs", []):  # gone already where the job ended normally
         if os.path.isdir(job_dir):
             remove(job_dir)
@@ -98,20 +100,6 @@ def after(agent_pid: int) -> None:
         pass
     for copy in glob.glob(os.path.join(tempfile.gettempdir(), f"{COPY_PREFIX}{agent_pid}-*")):
         remove(copy)
-
-
-def _run_hooks(hooks) -> None:
-    """Run ``LaunchSpec.cleanups``: ``("module:function", args)`` each, as the contract says
-    (:class:`taas.launch.api.LaunchSpec`).  Here, not the start process's runner: the watcher
-    runs only the contract, whatever the local launcher's modules become."""
-    import importlib
-
-    for entry, args in hooks:
-        try:
-            module, _, name = entry.partition(":")
-            getattr(importlib.import_module(module), name)(*args)
-        except Exception:  # broad: a hook's error must not stop the rest; each is idempotent
-            pass
 
 
 if __name__ == "__main__":
