@@ -297,7 +297,9 @@ class Session:
             _succeeded(job, outcome, plane, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
-            return results.load(results.decode(outcome.result), big.channel)
+            back = results.load(results.decode(outcome.result), big.channel)
+            stats.results = back.big
+            return back
         finally:
             _settle(plot, big, stats, started, supervisor.outcome)
             stats.restarts = supervisor.machine.restarts
@@ -331,6 +333,7 @@ class Session:
                 return CellResult()
             channel = big.channel or (run.kept.channel if run.kept is not None else None)
             back = results.load(results.decode(outcome.result), channel)
+            stats.results = back.big
             shipped.update(back.values)  # the ranks hold what came back: not sent again
             return back
         finally:

@@ -30,6 +30,8 @@ def render(session) -> str:
         codes = ", ".join(f"{k}={v}" for k, v in sorted(last.exit_codes.items()))
         if codes:
             lines.append(f"  exit codes: {codes}")
+        if getattr(last, "results", ""):
+            lines.append(f"  big results: {last.results}")
         for line in getattr(last, "data", []):  # the data plane's figures, one line per loader
             lines.append("  " + line.removeprefix("taas: "))
     return "\n".join(lines)

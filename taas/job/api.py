@@ -66,3 +66,4 @@ class JobStats:
     comm_ops: dict = field(default_factory=dict)  # rank key -> operations on its groups (comm)
     restarts: int = 0
     cluster: str | None = None  # the Ray cluster's address, None on this machine
+    results: str = ""  # how rank 0's big results came back (CellResult.big), "" when none did

@@ -14,13 +14,14 @@ modules come back on the CPU (:func:`results_to_cpu`), so the kernel never holds
 memory after the job; ``--results-device keep`` keeps their device when the kernel has CUDA.
 
 Big storages (1 MiB or more) do not go into the pickles when rank 0 has the job's results
-channel (one machine): rank 0 writes each once to a memory file and hands the files to the
-kernel by descriptor, where they become the storages with no copy
-(:mod:`taas.job.memory.returns`); ``Results.shared`` names them.  On a cluster they travel inline.
+channel (one machine): the kernel reads them out of rank 0's memory, once, while rank 0 waits
+(or rank 0 hands them over as memory files where the kernel may not read it;
+:mod:`taas.job.memory.returns`); ``Results.shared`` names them.  On a cluster they travel inline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 from taas.job import crossing, devices
 from taas.job.memory import returns as shared_returns
-from taas.job.memory.returns import ResultChannel, channel_from
+from taas.job.memory.channel import ResultChannel, channel_from
 
 __all__ = ["CellResult", "ResultChannel", "Results", "channel_from", "collect", "decode", "encode", "load",
            "results_to_cpu"]
@@ -47,8 +48,8 @@ class Results:
     out: bytes | None = None  # the last expression's value, pickled; None: no Out[]
     out_skipped: str | None = None  # why the last expression's value could not be pickled
     lost: str | None = None  # set by decode(): why the whole file could not be read
-    shared: bytes | None = None  # the token of rank 0's files on the results channel (returns.py)
-    shared_count: int = 0  # how many files the values refer to
+    shared: bytes | None = None  # the token of rank 0's big storages on the results channel (returns.py)
+    shared_count: int = 0  # how many big storages the values refer to
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class CellResult:
     out: object = None
     has_out: bool = False  # Out[] may be None itself: this says whether there is one
     notes: tuple[str, ...] = ()
+    big: str = ""  # how rank 0's big storages came back, e.g. "2 storages, 1.00 GiB, read from rank 0's memory"
 
 
 def results_to_cpu(results_device: str, kernel_cuda: int) -> bool:
@@ -72,21 +74,21 @@ def collect(namespace: Mapping, bound: Iterable[str], out, *, to_cpu: bool,
             channel: int | None = None) -> Results:
     """The cell's top-level names ``bound`` (those ``namespace`` still holds; dunders never)
     and its last expression's value ``out`` (None: none), each pickled on its own.  With the
-    job's results ``channel`` (an fd: :func:`channel_from`), big storages go to the kernel as
-    memory files; if the channel refuses them, everything is pickled inline instead."""
+    job's results ``channel`` (an fd: :func:`channel_from`), the kernel reads big storages out
+    of this process before this returns; if the channel is gone, everything is pickled inline."""
     sender = shared_returns.Returns(channel) if channel is not None else None
     values, skipped, out_blob, out_why = _pack_all(namespace, bound, out, to_cpu, sender)
     token, count = None, 0
-    if sender is not None and sender.fds:
-        token, count, written = sender.token, len(sender.fds), sender.written
+    if sender is not None and sender.held:
+        token, count, written = sender.token, len(sender.held), sender.written
         try:
             sender.send()
         except OSError as exc:  # the kernel is gone or its queue is full: the slow way
-            log.debug("results channel refused %d files (%s): pickled inline", count, exc)
+            log.debug("results channel refused %d storages (%s): pickled inline", count, exc)
             token, count = None, 0
             values, skipped, out_blob, out_why = _pack_all(namespace, bound, out, to_cpu, None)
         else:
-            log.debug("results: %d storages (%d bytes) sent as memory files", count, written)
+            log.debug("results: %d storages (%d bytes) taken by the kernel", count, written)
     elif sender is not None:
         sender.close()
     if log.isEnabledFor(logging.DEBUG):
@@ -133,8 +135,8 @@ def _pack(value, to_cpu: bool, sender=None) -> tuple[bytes | None, str | None]:
                           "job's process group; gather them in the cell (e.g. .full_tensor()) to bring them back")
         # Every CUDA storage anywhere in the value crosses once, as its bytes, landing on the
         # CPU (or its own device): tied weights stay tied, views stay views, optimizer state
-        # follows; rank 0's own objects stay where they are.  Big ones (CPU ones too) go as
-        # memory files when there is a ``sender`` (taas.job.memory.returns).
+        # follows; rank 0's own objects stay where they are.  Big ones (CPU ones too) go by
+        # the results channel when there is a ``sender`` (taas.job.memory.returns).
         hook = devices.DeviceStorages(land="cpu" if to_cpu else "keep",
                                       copy_in=sender.copy_in if sender is not None else None,
                                       big=sender.reduce if sender is not None else None).reduce
@@ -189,17 +191,26 @@ def decode(data: bytes) -> Results:
 
 def load(results: Results, channel: ResultChannel | None = None) -> CellResult:
     """In the kernel: each value unpickled on its own, with a note for each that did not come
-    back (on rank 0 or here).  Big storages are rank 0's files, taken from the job's results
-    ``channel``; a value whose files did not arrive is a note too."""
-    fds = None
+    back (on rank 0 or here).  Big storages are taken from the job's results ``channel`` (read
+    from rank 0, or its files); a value whose storages did not arrive is a note too."""
+    taken = None
     if results.shared is not None and channel is not None:
-        fds = channel.take(results.shared, results.shared_count)
+        taken = channel.take(results.shared, results.shared_count)
     try:
-        with shared_returns.mapping(fds):
-            return _load(results)
+        with shared_returns.mapping(taken):
+            got = _load(results)
+        return got if not taken else dataclasses.replace(got, big=_how(taken))
     finally:
-        for fd in fds or ():  # each storage made keeps its own duplicate
-            os.close(fd)
+        for fd in taken or ():  # each storage made over a file keeps its own duplicate
+            if isinstance(fd, int):
+                os.close(fd)
+
+
+def _how(taken: list) -> str:
+    files = isinstance(taken[0], int)
+    nbytes = sum(os.fstat(fd).st_size if files else fd.nbytes() for fd in taken)
+    return (f"{len(taken)} {'storage' if len(taken) == 1 else 'storages'}, {nbytes / (1 << 30):.2f} GiB, "
+            + ("as memory files" if files else "read from rank 0's memory"))
 
 
 def _load(results: Results) -> CellResult:

@@ -50,8 +50,8 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
         out = run_cell(payload, namespace)
         comm.report()
         if rank == 0 and payload.results:
-            # Big storages go to the kernel as memory files on the channel the kept ranks got
-            # with their first cell (it lives as long as they do: taas.supervisor.kept).
+            # The kernel reads big storages out of this process, on the channel the kept ranks
+            # got with their first cell (it lives as long as they do: taas.supervisor.kept).
             data = results.encode(results.collect(namespace, payload.bound, out,
                                                   to_cpu=payload.results_to_cpu,
                                                   channel=results.channel_from(os.environ)))

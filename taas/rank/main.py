@@ -83,7 +83,8 @@ def main(spec) -> int:
         comm.report()
         log.debug("cell done on rank %d", rank)
         if rank == 0 and payload.results:
-            # Big storages go to the kernel as memory files on the job's channel (one machine).
+            # The kernel reads big storages out of this process, asked on the job's channel
+            # (one machine), before rank 0 goes on.
             report.write_result(job_dir, results.encode(
                 results.collect(namespace, payload.bound, out, to_cpu=payload.results_to_cpu,
                                 channel=results.channel_from(os.environ))))

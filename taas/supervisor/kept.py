@@ -40,7 +40,7 @@ class Kept:
         # notebook name -> fingerprint of the value the ranks hold under it (shipped or
         # brought back): what the next cell need not send again (taas.supervisor.fingerprint).
         self.held: dict[str, object] = {}
-        # The first cell's results channel (taas.job.memory.returns), kept for the ranks' life:
+        # The first cell's results channel (taas.job.memory.channel), kept for the ranks' life:
         # their rank 0 holds its other end, so every kept cell's big results come back on it.
         self.channel = None
         self.gpu_mem: dict[str, int] = {}  # rank -> GPU bytes its tensors held after its last cell

@@ -56,7 +56,7 @@ import threading
 from taas.job.memory import resident
 from taas.job.memory import files as shmfiles
 from taas.job.memory.resident import ResidentMemory
-from taas.job.memory.returns import CHANNEL_ENV, ResultChannel
+from taas.job.memory.channel import CHANNEL_ENV, ResultChannel
 
 _UNNAMED_OK = shmfiles.UNNAMED_OK  # (the same dict: tests set a directory's entry here)
 
@@ -297,7 +297,7 @@ class BigValues:
         return ((f"{__name__}:remove_files", (tuple(self.paths),)),) if self.paths else ()
 
     def open_results_channel(self) -> dict[str, str]:
-        """The job's results channel (:mod:`taas.job.memory.returns`), after pickling: its rank
+        """The job's results channel (:mod:`taas.job.memory.channel`), after pickling: its rank
         end goes last in :attr:`fds`; returns the environment that tells rank 0 where it is."""
         self.channel = ResultChannel()
         self.fds.append(os.dup(self.channel.rank_end()))
