@@ -162,8 +162,11 @@ class ResultChannel:
 
     # -- the serving thread ------------------------------------------------------------------
     def _serve(self) -> None:
+        poller = select.poll()  # not select(): a kernel may hold more than 1024 fds
+        poller.register(self._kernel, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         while True:
-            ready, _, _ = select.select([self._kernel, self._wake_r], [], [])
+            poller.poll()
             with self._lock:
                 if self._closed:
                     return
@@ -269,8 +272,10 @@ def ask_to_read(channel: int, token: bytes, regions: list[tuple[int, int]]) -> b
         for first in range(0, len(regions), MAX_REGIONS_PER_MESSAGE):
             part = tuple(regions[first:first + MAX_REGIONS_PER_MESSAGE])
             sock.sendmsg([Regions(token, first, len(regions), part).pack()], [], socket.MSG_NOSIGNAL)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         while True:
-            select.select([sock], [], [])
+            poller.poll()
             try:
                 data = sock.recv(64, socket.MSG_DONTWAIT)
             except BlockingIOError:
