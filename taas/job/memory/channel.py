@@ -137,7 +137,8 @@ class ResultChannel:
         if read is not None and len(read) == count:
             _close(files.values())
             return read
-        if len(files) == count and all(i in files for i in range(count)):
+        if all(i in files for i in range(count)):
+            _close(fd for i, fd in files.items() if i >= count)
             return [files[i] for i in range(count)]
         log.warning("rank 0's results: %d of %d storages arrived", len(files) if read is None else len(read),
                     count)
@@ -197,7 +198,7 @@ class ResultChannel:
 
     def _answer(self, token: bytes, total: int) -> None:
         pid, asked = self._asked.pop(token)
-        status = UNREADABLE
+        status = UNREADABLE if not self.readable else FAILED
         if self.readable and all(i in asked for i in range(total)):
             try:
                 started = time.perf_counter()
@@ -207,9 +208,9 @@ class ResultChannel:
             except readback.Unreadable as exc:
                 log.info("taas: the kernel may not read rank 0's memory (%s): results come as files", exc)
                 self.readable = False
+                status = UNREADABLE
             except (OSError, RuntimeError) as exc:  # no memory for them, or rank 0 went
                 log.debug("reading rank 0's results failed: %s", exc)
-                status = FAILED
         try:
             self._kernel.send(Answer(token, status).pack(), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
         except OSError as exc:

@@ -101,3 +101,15 @@ def test_files_go_in_batches_under_their_token(pair):
         for fd in fds:
             os.close(fd)
     assert got == [(Files(b"f" * 16, 0), wire.MAX_FDS_PER_BATCH), (Files(b"f" * 16, wire.MAX_FDS_PER_BATCH), 5)]
+
+
+def test_the_kernel_answers_a_request_it_cannot_make_whole_with_failed_not_a_refusal():
+    ch = wire.ResultChannel()
+    rank = socket.socket(fileno=os.dup(ch.rank_end()))
+    try:  # regions 1 and 2 of 2: region 0 never came
+        rank.send(Regions(b"q" * 16, 1, 2, ((4096, 1 << 20), (8192, 1 << 20))).pack())
+        assert wire.unpack(rank.recv(64)) == Answer(b"q" * 16, wire.FAILED)
+        assert ch.readable and ch._read == {}
+    finally:
+        rank.close()
+        ch.close()
