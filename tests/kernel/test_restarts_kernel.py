@@ -97,10 +97,10 @@ def test_every_unit_once_per_attempt(kernel, clean):
         attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
         seen = [int(x) for (batch,) in loader for x in batch]
         print("attempt", attempt, "rank", os.environ["RANK"], "got", len(seen), "sum", sum(seen))
+        import torch.distributed as dist
+        dist.barrier()  # both read and printed before rank 1 fails: else rank 0 may be stopped mid-read
         if attempt == "0" and os.environ["RANK"] == "1":
             raise RuntimeError("fail after reading")
-        import torch.distributed as dist
-        dist.barrier()
         """))
     assert run.error is None, run.traceback
     for attempt in (0, 1):
