@@ -20,6 +20,7 @@ from taas.job.memory import bigvalues
 from taas.job import package
 from taas.job.memory import resident as resmem
 from taas.job.memory.bigvalues import BigValues
+from tests.support.heap import mmapped_floats
 from taas.job.memory.resident import ResidentMemory
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 4))
@@ -291,7 +292,6 @@ def test_unlink_without_waiting_removes_the_files_in_a_thread(big):
 # -- resident storages: moved to shared memory in place, once; passed by descriptor ------------
 # Bigger than glibc's largest mmap threshold (32 MiB), so torch's allocation is always a chunk of
 # its own mapping, wherever this test runs in a long session.
-R_N = (40 << 20) // 4
 
 
 @pytest.fixture
@@ -310,6 +310,7 @@ def _mapping_of(address: int) -> resmem.Mapping:
 
 
 def test_a_storage_moves_to_shared_memory_in_place_and_every_alias_follows(resident):
+    R_N = mmapped_floats()
     big, as_rank = resident
     base = torch.randn(R_N)
     view = base[N:2 * N]
@@ -332,6 +333,7 @@ def test_a_storage_moves_to_shared_memory_in_place_and_every_alias_follows(resid
 
 
 def test_a_resident_storage_is_not_copied_again(resident, monkeypatch):
+    R_N = mmapped_floats()
     big, as_rank = resident
     base = torch.randn(R_N)
     package.ship({"x": base}, big=big)
@@ -350,6 +352,7 @@ def test_a_resident_storage_is_not_copied_again(resident, monkeypatch):
 def test_a_tensor_with_a_numpy_alias_is_copied_and_the_alias_still_works(resident):
     """torch marks a storage with a numpy alias not resizable; such memory is not moved (the old
     swap-the-pointer design freed it under the array: the kernel crashed)."""
+    R_N = mmapped_floats()
     big, as_rank = resident
     base = torch.arange(R_N, dtype=torch.float32)
     alias = base.numpy()
@@ -362,6 +365,7 @@ def test_a_tensor_with_a_numpy_alias_is_copied_and_the_alias_still_works(residen
 
 
 def test_memory_torch_does_not_own_is_copied(resident):
+    R_N = mmapped_floats()
     big, as_rank = resident
     array = np.arange(R_N, dtype=np.float32)
     got = roundtrip({"x": torch.from_numpy(array)}, big)
@@ -369,6 +373,7 @@ def test_memory_torch_does_not_own_is_copied(resident):
 
 
 def test_a_freed_tensors_file_is_closed_by_prune(resident):
+    R_N = mmapped_floats()
     big, as_rank = resident
     base = torch.randn(R_N)
     package.ship({"x": base}, big=big)

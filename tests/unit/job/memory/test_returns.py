@@ -21,6 +21,7 @@ from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.channel import Files, ResultChannel
 from taas.job.memory.resident import ResidentMemory
 from taas.job.memory.returns import Returns
+from tests.support.heap import mmapped_floats
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -222,15 +223,16 @@ def test_a_result_goes_out_again_by_descriptor(channel, tmp_path, monkeypatch, f
     as a file keeps that file's fd (no copy at all)."""
     if files:
         monkeypatch.setattr(readback, "read", lambda pid, regions: (_ for _ in ()).throw(OSError(12, "")))
-    sent, got = trip({"big": torch.ones(40 * N)}, ("big",), channel)  # above glibc's mmap threshold
+    n = mmapped_floats()  # the kernel's copy must be a mapping of its own to be moved
+    sent, got = trip({"big": torch.ones(n)}, ("big",), channel)
     resident = ResidentMemory(str(tmp_path))
     out = BigValues("testjob", directory=str(tmp_path), resident=resident)  # as the session makes it
     try:
         reduced = out.reduce(got.values["big"].untyped_storage())
         assert isinstance(reduced[1][0], int) and os.listdir(tmp_path) == []  # a descriptor
         resident.settle()
-        assert resident.moved == out.written == (0 if files else 40 * MIB + PAGE)  # glibc's chunk
-        assert torch.equal(got.values["big"], torch.ones(40 * N))
+        assert resident.moved == out.written == (0 if files else n * 4 + PAGE)  # glibc's chunk
+        assert torch.equal(got.values["big"], torch.ones(n))
     finally:
         out.unlink()
         resident.close()
