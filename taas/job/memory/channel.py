@@ -135,14 +135,14 @@ class ResultChannel:
             read, files = self._read.pop(token, None), self._files.pop(token, {})
             self._drop()
         if read is not None and len(read) == count:
-            _close(files.values())
+            close_fds(files.values())
             return read
         if all(i in files for i in range(count)):
-            _close(fd for i, fd in files.items() if i >= count)
+            close_fds(fd for i, fd in files.items() if i >= count)
             return [files[i] for i in range(count)]
         log.warning("rank 0's results: %d of %d storages arrived", len(files) if read is None else len(read),
                     count)
-        _close(files.values())
+        close_fds(files.values())
         return None
 
     def close(self) -> None:
@@ -189,7 +189,7 @@ class ResultChannel:
                     else:
                         held[i] = fd
                 continue
-            _close(fds)
+            close_fds(fds)
             if isinstance(message, Regions) and pid > 0:
                 _, asked = self._asked.setdefault(message.token, (pid, {}))
                 asked.update(enumerate(message.regions, message.first))
@@ -240,7 +240,7 @@ class ResultChannel:
 
     def _drop(self) -> None:
         for held in self._files.values():
-            _close(held.values())
+            close_fds(held.values())
         self._files.clear()
         self._asked.clear()
         self._read.clear()
@@ -326,7 +326,8 @@ def open_fds() -> int:
         return 0
 
 
-def _close(fds) -> None:
+def close_fds(fds) -> None:
+    """Close each fd, ignoring those already closed."""
     for fd in fds:
         try:
             os.close(fd)

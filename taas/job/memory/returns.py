@@ -116,7 +116,7 @@ class Returns:
                     fds.append(_file_of(st))
                 wire.send_files(self.channel, self.token, fds)
             finally:
-                _close(fds)
+                wire.close_fds(fds)
         finally:
             self.close()
 
@@ -173,14 +173,6 @@ def _kept_fds_budget() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 30
     return max(0, soft // 2 - wire.open_fds())
-
-
-def _close(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 # -- the kernel, unpickling --------------------------------------------------------------------
