@@ -48,7 +48,8 @@ class JobOptions:
     max_restarts: int = 0  # times a failed job starts again (torchrun's --max-restarts)
     cluster: str | None = None  # Ray cluster address for this cell; "local" = this machine
     keep: float | None = None  # keep the ranks after the cell, idle at most this long (s); inf = no limit
-    fresh: bool = False  # end kept ranks first and start fresh ones
+    fresh: bool = False  # end kept ranks first and start fresh ones (with --detach: a new job)
+    detach: bool = False  # the job outlives the kernel: the cell returns once the ranks run
 
 
 _SEE_HELP = "see %%taas? for the options"
@@ -213,7 +214,12 @@ _PARSER.add_argument("--keep", metavar="LIMIT", nargs="?", const=KEEP_DEFAULT, t
                      "after that long idle (default: kept until %%taas release, %%unload_ext or "
                      "the kernel ends)")
 _PARSER.add_argument("--fresh", action="store_true",
-                     help="end kept ranks first and run this cell on fresh ones")
+                     help="end kept ranks first and run this cell on fresh ones; with --detach, "
+                     "start a new job even if this cell's job still runs")
+_PARSER.add_argument("--detach", action="store_true",
+                     help="run the job outside the kernel: the cell returns once the ranks run, "
+                     "naming the job; it goes on if the kernel restarts or dies. Follow it with "
+                     "%%taas attach ID (its output, then its results) or `taas attach ID` in a terminal")
 _PARSER.add_argument("--config", metavar="NAME", type=_config,
                      help="DataSphere configuration name, as in a '#!NAME' line (shown by "
                      "the %%taas line magic, otherwise ignored)")
@@ -248,6 +254,9 @@ def parse_options(argline: str) -> JobOptions:
     if ns.keep is not None and ns.max_restarts:
         raise DirectiveError("--keep cannot be combined with --max-restarts: a restart cannot "
                              "bring the kept state back")
+    if ns.detach and ns.keep is not None:
+        raise DirectiveError("--detach with --keep is not supported yet: run the kept cells "
+                             "attached, or detach a one-cell job")
     return JobOptions(**vars(ns))
 
 

@@ -10,7 +10,9 @@ chosen here (:func:`choose_display_formatter`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 
 from IPython.core.error import UsageError
 from IPython.core.formatters import DisplayFormatter
@@ -20,7 +22,7 @@ from IPython.display import display, publish_display_data
 from taas import directive
 from taas.errors import DirectiveError, LaunchError, PackagingError, RegistrationError
 from taas.job import package
-from taas.session import WARN, Session, write_note
+from taas.session import WARN, Session, TerminalSink, write_note
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +144,9 @@ class TaasMagics(Magics):
         log.debug("parsed options: %s", options)
         # Register the whole cell with IPython so tracebacks say "Cell In[7], line 4".
         filename = shell.compile.cache(f"%%taas {line}\n{cell}", number)
-        kernel = getattr(shell, "kernel", None)
-        # An interactive front end (JupyterLab, Notebook, VS Code) asks with allow_stdin; batch
-        # runners (nbconvert, nbclient, nbval, papermill) do not, and keep only a display's
-        # last state: they get the panel as text, and only for long jobs (taas.io.board).
-        sink = NotebookSink(bool(getattr(kernel, "_allow_stdin", False))) if kernel is not None else None
+        sink = self._sink()
+        if options.detach:
+            return self._detach(line, cell, options, filename, sink)
         try:
             result = self.session.run_cell(
                 cell, shell.user_ns, options, filename=filename, first_line=2, sink=sink,
@@ -164,11 +164,105 @@ class TaasMagics(Magics):
 
     taas.__doc__ = directive.HELP
 
+    def _sink(self) -> NotebookSink | None:
+        kernel = getattr(self.shell, "kernel", None)
+        # An interactive front end (JupyterLab, Notebook, VS Code) asks with allow_stdin; batch
+        # runners (nbconvert, nbclient, nbval, papermill) do not, and keep only a display's
+        # last state: they get the panel as text, and only for long jobs (taas.io.board).
+        return NotebookSink(bool(getattr(kernel, "_allow_stdin", False))) if kernel is not None else None
+
+    # -- jobs that outlive the kernel (--detach; taas.host) ------------------------------------
+    def _detach(self, line: str, cell: str, options, filename: str, sink):
+        """``--detach``: the cell's job under a host of its own; this cell shows it until its
+        ranks run, then returns with one line naming it.  The same cell of the same notebook
+        whose job still runs is attached to instead (``--fresh``: a new job)."""
+        from taas.host import client
+        from taas.jobs.store import Store
+
+        if self.session.cluster_address(options) is not None:
+            raise UsageError("--detach runs on this machine only for now: run this cell without --cluster "
+                             "(or %taas cluster local), or attached on the cluster")
+        store = Store()
+        notebook = os.environ.get("JPY_SESSION_NAME", "")
+        whole = f"{line}\n{cell}"
+        try:
+            copy = client.running_copy(store, whole, notebook) if notebook and not options.fresh else None
+            if copy is not None:
+                print(f"taas: this cell's job {copy.id} is still running (since "
+                      f"{time.strftime('%H:%M', time.localtime(copy.started))}): attaching to it "
+                      "(--fresh starts a new one)")
+                return self._attach(copy.id, store)
+            request = client.request_for(cell, self.shell.user_ns, line, filename=filename,
+                                         label=self._name_for(filename), first_line=2,
+                                         hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for)
+            record = client.start(store, request, ranks=options.gpus or 0, where="this machine",
+                                  notebook=notebook, sink=sink or TerminalSink(), hashed=whole)
+        except (*_BEFORE_LAUNCH, client.JobError) as exc:
+            raise UsageError(str(exc)) from None
+        print(f"taas: job {record.id} detached: {record.ranks} ranks; follow it with %taas attach {record.id}, "
+              f"or taas attach {record.id} in a terminal")
+        return None
+
+    def _attach(self, job_id: str | None, store=None, latest: int | None = None):
+        """``%taas attach [ID]``: the job's output so far, then live; at its end rank 0's names
+        and Out[] land here, or its failure is raised.  An interrupt detaches."""
+        from taas.host import client
+        from taas.jobs.store import Store
+        from taas.session import job_metrics
+
+        store = store or Store()
+        try:
+            job_id = store.resolve(job_id) if job_id else _default_job(store)
+            sink = self._sink() or TerminalSink()
+            try:
+                record = client.follow(store, job_id, sink, latest=client.LATEST if latest is None else latest,
+                                       on_metrics=job_metrics.HISTORY.add)
+            except KeyboardInterrupt:
+                print(f"taas: detached from job {job_id}; it goes on (%taas attach {job_id} follows it again)")
+                return None
+            if record.state.value != "done":
+                client.raise_failure(store, record)
+            values, out, has_out, notes = client.load(client.take(store, record))
+        except client.JobError as exc:
+            raise UsageError(str(exc)) from None
+        self.shell.user_ns.update(values)
+        for note in notes:
+            write_note(sink, note, WARN)
+        return out if has_out else None
+
+    def _jobs(self, words: list[str]) -> None:
+        """``%taas jobs | attach [ID] | cancel ID | forget ID | logs ID``."""
+        from taas.host import client
+        from taas.jobs import listing
+        from taas.jobs.store import Store
+
+        store = Store()
+        verb, args = words[0], words[1:]
+        try:
+            if verb == "jobs" and not args:
+                print(listing.render(store.listing()))
+            elif verb == "attach" and len(args) <= 1:
+                return self._attach(args[0] if args else None, store)
+            elif verb == "cancel" and len(args) == 1:
+                record = client.cancel(store, store.resolve(args[0]))
+                print(f"taas: job {record.id} {record.state.value}")
+            elif verb == "forget" and len(args) == 1:
+                job_id = store.resolve(args[0])
+                store.remove(job_id)
+                print(f"taas: job {job_id} forgotten")
+            elif verb == "logs" and len(args) == 1:
+                client.Follower(store, store.resolve(args[0]), self._sink() or TerminalSink()).finish()
+            else:
+                raise UsageError(f"%taas {verb} takes {_JOB_USAGE[verb]}, got {' '.join(words)!r}")
+        except client.JobError as exc:
+            raise UsageError(str(exc)) from None
+        return None
+
     def _name_for(self, filename: str) -> str | None:
         label = self.shell.compile.format_code_name(filename)
         return f"{label[0]} {label[1]}" if label else None
 
-    def _status(self, line: str) -> None:
+    def _status(self, line: str):
         """``%taas``: where jobs run, the kept ranks and what the last job did; ``%taas cluster
         ADDRESS|local [--workdir auto|shared|copy] [--workdir-limit SIZE]`` sets where the
         session's cells run; ``%taas release`` ends the kept ranks."""
@@ -184,12 +278,33 @@ class TaasMagics(Magics):
                 print(self.session.release(NotebookSink() if getattr(self.shell, "kernel", None)
                                            is not None else None) or "taas: no kept ranks")
                 return
+            if words and words[0] in _JOB_USAGE:
+                return self._jobs(words)
             if words:
-                raise UsageError("%taas takes no arguments but 'cluster ADDRESS|local' or 'release', "
+                raise UsageError("%taas takes no arguments but 'cluster ADDRESS|local', 'release', 'jobs', "
+                                 "'attach [ID]', 'cancel ID', 'forget ID' or 'logs ID', "
                                  f"got {line.strip()!r}")
             print(status.render(self.session))
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
+
+
+_JOB_USAGE = {"jobs": "no arguments", "attach": "at most a job id", "cancel": "a job id",
+              "forget": "a job id", "logs": "a job id"}
+
+
+def _default_job(store) -> str:
+    """``%taas attach`` with no id: the newest running job of this notebook, else this user's
+    newest running job, else the newest whose results wait."""
+    items = [item for item in store.listing() if not item.problem]
+    notebook = os.environ.get("JPY_SESSION_NAME", "")
+    for wanted in (lambda r: not r.state.final and notebook and r.notebook == notebook,
+                   lambda r: not r.state.final,
+                   lambda r: r.has_results and r.taken is None):
+        for item in items:
+            if wanted(item.record):
+                return item.record.id
+    raise UsageError("taas: no running job and no results waiting; `%taas jobs` lists your jobs")
 
 
 _CLUSTER_USAGE = ("%taas cluster takes one address (what ray.init(address=...) takes) or 'local', "

@@ -87,6 +87,9 @@ class Session:
         # The device decision taas made for the last job with --device auto, as the fallback
         # note states it (directive.note_fact; None: CUDA): the note shows when this changes.
         self._device_fact: str | None = None
+        # Told each state the supervisor enters (taas.supervisor.machine.State): a job host
+        # (taas.host) says "running" to its viewers when the ranks run.
+        self.on_state = None
 
     def warm(self) -> None:
         self.launcher.warm()
@@ -289,7 +292,7 @@ class Session:
         the supervisor's states and gets the job's figures however it ends."""
         plot, on_metrics = _live_plot(job, sink)
         supervisor = Supervisor(launcher, job, sink, name_for=name_for,
-                                on_state=lambda state: setattr(stats, "outcome", state.value),
+                                on_state=lambda state: self._state(stats, state),
                                 on_metrics=on_metrics)
         started = time.monotonic()
         try:
@@ -303,6 +306,11 @@ class Session:
         finally:
             _settle(plot, big, stats, started, supervisor.outcome)
             stats.restarts = supervisor.machine.restarts
+
+    def _state(self, stats: JobStats, state) -> None:
+        stats.outcome = state.value
+        if self.on_state is not None:
+            self.on_state(state)
 
     # -- kept ranks (--keep) ---------------------------------------------------------------
     def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink) -> Kept | None:
@@ -322,7 +330,7 @@ class Session:
         limit = options.keep if options.keep is not None else directive.KEEP_DEFAULT
         plot, on_metrics = _live_plot(job, sink)
         run = KeptCell(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
-                       on_state=lambda state: setattr(stats, "outcome", state.value),
+                       on_state=lambda state: self._state(stats, state),
                        on_metrics=on_metrics)
         shipped, self._shipped = self._shipped, {}
         started = time.monotonic()

@@ -192,6 +192,8 @@ class History:
         self.lock = threading.Lock()  # the supervisor adds while notebook threads may log
         self.jobs: dict[str, dict[int, Table]] = {}  # job id -> rank -> rows, oldest job first
         self.notebook = NotebookTable(self.lock)
+        # Called with (job_id, rank, rows) after each add: a job host records them for viewers.
+        self.observers: list = []
 
     def add(self, job_id: str, rank: int | None, rows) -> int:
         """``rows`` (``(step, {name: number})`` pairs, checked by the events reader) of ``rank``;
@@ -202,6 +204,8 @@ class History:
             table = self.jobs.setdefault(job_id, {}).setdefault(rank, Table())
             for step, values in rows:
                 table.add(step, values)
+        for observer in self.observers:
+            observer(job_id, rank, rows)
         return len(rows)
 
     def series(self, job_id: str, rank: int = 0) -> dict[str, tuple[array, array]]:

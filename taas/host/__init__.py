@@ -1,0 +1,16 @@
+"""The job host: a detached job's supervisor, in a process of its own that outlives the kernel.
+
+    kernel (client.py)                          host (main.py, ``python -m taas.host FOLDER``)
+      the cell, the values it reads ──request──>  a Session of its own runs the cell as today:
+      (api.Request, in the record folder)          supervisor, launcher, ranks (its descendants)
+      follows the record's output log  <──log──   every sink call as a record (sink.py)
+      takes rank 0's names and Out[]   <──────    api.Returned in results.pkl, state in record.json
+
+The host leads a session of its own (``setsid``), has no terminal and no pipe to the kernel, and
+holds its record's lock for its life: when it dies, its launcher's guard ends the ranks (as a
+kernel's death does today) and the record reads ``lost``.  A kernel, a second notebook or a
+terminal (:mod:`taas.cli`) are viewers: they read the record, never the host's memory.
+
+May import: taas.session (the host runs a Session), taas.jobs, taas.job, taas.io, taas.data,
+taas.directive, taas.errors.
+"""

@@ -1,0 +1,345 @@
+"""The viewer's side of a job host: start a detached job, follow it, take its results, cancel it.
+
+A kernel (:mod:`taas.magics`) and a terminal (:mod:`taas.cli`) use the same calls; neither
+reads the host's memory or talks to it but through its record folder and, to cancel, a signal
+to the pid the record names (checked against that process's start time).
+
+    start(...)    the cell's values into a Request, the host started (setsid), its output shown
+                  until the ranks run; the record
+    follow(...)   the output so far (its latest records, what is shown in place at its latest
+                  state), then live, until the job ends or the viewer is interrupted
+    take(...)     rank 0's names and Out[] of a finished job, once
+    cancel(...)   SIGTERM to the host: every process stopped within seconds
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+
+from taas.errors import JobFailed, LaunchError, RenderedError
+from taas.host.api import FAILURE, Failure, Request, Returned
+from taas.jobs import api as records
+from taas.jobs.api import JobRecord, State
+from taas.jobs.log import LogReader, read_view
+from taas.jobs.store import JobError, Store, hold_lock, new_id, write_file
+
+POLL = 0.05  # how often a follower looks at the record and its log (s)
+LATEST = 400  # how many of the latest output records an attach shows before going live
+CANCEL_GRACE = 5.0  # the host stops every process within this; then SIGKILL (its guard ends the rest)
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def first_code_line(source: str) -> str:
+    for line in source.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            return line.strip()[:80]
+    return ""
+
+
+def running_copy(store: Store, source: str, notebook: str) -> JobRecord | None:
+    """This notebook's still-running job of the very same cell, or None."""
+    digest = source_hash(source)
+    for item in store.listing(prune=False):
+        record = item.record
+        if (not record.state.final and record.source_hash == digest and record.notebook == notebook
+                and not item.problem):
+            return record
+    return None
+
+
+def start(store: Store, request: Request, *, ranks: int, where: str, notebook: str, sink,
+          hashed: str | None = None, spawn_env: dict | None = None) -> JobRecord:
+    """Start ``request`` under a host of its own and show its output until the ranks run; its
+    record then.  A job that ends before (a launch error, a failure in the first seconds) raises
+    what an attached cell would; an interrupt meanwhile cancels it.  ``hashed``: the text that
+    identifies the cell (its options and body; default: the body), for :func:`running_copy`."""
+    record = JobRecord(id=_fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
+                       started=time.time(), notebook=notebook, first_line=first_code_line(request.source),
+                       source_hash=source_hash(hashed or request.source), cwd=request.cwd)
+    folder = store.create(record)
+    write_file(folder / records.REQUEST, pickle.dumps(request))
+    lock = hold_lock(folder)  # held for the host from the start: the record never reads lost meanwhile
+    try:
+        os.set_inheritable(lock, True)
+        log = open(folder / "host.log", "ab")  # the host's own stderr: a crash of taas itself
+        env = dict(os.environ, **(spawn_env or {}), TAAS_HOST_LOCK_FD=str(lock))
+        process = subprocess.Popen(
+            [sys.executable, "-m", "taas.host", str(folder)], cwd=request.cwd, env=env,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
+            pass_fds=(lock,), start_new_session=True)
+        log.close()
+    finally:
+        os.close(lock)
+    # Reaped when it ends while this process lives; if this process dies first, init reaps it.
+    threading.Thread(target=process.wait, name=f"taas-host-{record.id}", daemon=True).start()
+    follower = Follower(store, record.id, sink)
+    try:
+        while True:
+            follower.step()
+            record = store.read(record.id)
+            if record.state is not State.WAITING:
+                break
+            if process.poll() is not None:  # the host itself could not start
+                record = store.read(record.id)
+                break
+            time.sleep(POLL)
+        follower.step()
+    except KeyboardInterrupt:
+        cancel(store, record.id)
+        raise
+    if record.state is State.WAITING:  # the host ended before it wrote a word
+        raise LaunchError(f"taas: the host of job {record.id} could not start: "
+                          f"{_tail(folder / 'host.log')}")
+    if record.state.final:
+        follower.finish()
+        raise_failure(store, record)
+    return record
+
+
+def _fresh_id(store: Store) -> str:
+    taken = set(store.ids())
+    while True:
+        job_id = new_id()
+        if job_id not in taken:
+            return job_id
+
+
+def _tail(path: pathlib.Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no output"
+    return lines[-1] if lines else "no output"
+
+
+class Follower:
+    """Shows a job's record on ``sink`` (a notebook's, or a terminal's) as the job writes it."""
+
+    def __init__(self, store: Store, job_id: str, sink, *, latest: int | None = None,
+                 on_metrics: Callable | None = None):
+        self.store = store
+        self.job_id = job_id
+        self.folder = store.folder(job_id)
+        self.sink = sink
+        self.reader = LogReader(self.folder)
+        self.metrics = LogReader(self.folder, part=records.METRICS)
+        self.on_metrics = on_metrics
+        self.skipped = self.reader.start_near_end(latest) if latest is not None else 0
+        if self.skipped:
+            sink.write("stdout", f"taas: job {job_id}: {self.skipped:,} earlier output records not shown "
+                       f"(`taas logs {job_id}` prints them all)\n")
+        self._view_at = None
+        self._shown: dict = {"progress": {}, "panel": None, "live": {}}
+
+    def step(self) -> None:
+        for item in self.reader.read():
+            self._show(item)
+        if self.on_metrics is not None:
+            for item in self.metrics.read():
+                if item.get("op") == "m":
+                    self.on_metrics(self.job_id, item["r"], [(step, values) for step, values in item["rows"]])
+        view = read_view(self.folder)
+        if view and view.get("at") != self._view_at:
+            self._view_at = view.get("at")
+            self._update(view)
+
+    def _show(self, item: dict) -> None:
+        op, sink = item.get("op"), self.sink
+        if op == "w":
+            sink.write(item["s"], item["x"])
+        elif op == "p":
+            self._shown["progress"].pop(f"{item['k']}\n{item['s']}", None)
+            if hasattr(sink, "progress"):
+                sink.progress(item["k"], item["s"], item["x"], True)
+        elif op == "d" and hasattr(sink, "display"):
+            sink.display(item["data"], item["md"])
+        elif op == "l" and hasattr(sink, "live"):
+            self._shown["live"].pop(item["n"], None)
+            sink.live(item["n"], item["data"], item["md"], True)
+        elif op == "dropped":
+            sink.write("stderr", f"taas: {item['n']:,} output records dropped here: the job's log keeps its "
+                       f"first and its latest output (TAAS_LOG_CAP)\n")
+
+    def _update(self, view: dict) -> None:
+        sink = self.sink
+        for where, text in (view.get("progress") or {}).items():
+            if self._shown["progress"].get(where) != text and hasattr(sink, "progress"):
+                key, stream = where.split("\n", 1)
+                sink.progress(key, stream, text, False)
+                self._shown["progress"][where] = text
+        panel = view.get("panel")
+        if hasattr(sink, "panel"):
+            if panel and panel != self._shown["panel"]:
+                sink.panel(panel["data"], panel["md"], False)
+            elif not panel and self._shown["panel"]:
+                last = self._shown["panel"]
+                sink.panel(last["data"], last["md"], True)
+        self._shown["panel"] = panel
+        if hasattr(sink, "live"):
+            for name, shown in (view.get("live") or {}).items():
+                if self._shown["live"].get(name) != shown:
+                    sink.live(name, shown["data"], shown["md"], False)
+                    self._shown["live"][name] = shown
+
+    def finish(self) -> None:
+        """The last records, and what was shown in place closed."""
+        self.step()
+        sink = self.sink
+        if self._shown["panel"] and hasattr(sink, "panel"):
+            sink.panel(self._shown["panel"]["data"], self._shown["panel"]["md"], True)
+        for where, text in self._shown["progress"].items():
+            key, stream = where.split("\n", 1)
+            sink.progress(key, stream, text, True)
+        self._shown = {"progress": {}, "panel": None, "live": {}}
+
+
+def follow(store: Store, job_id: str, sink, *, latest: int | None = LATEST,
+           on_metrics: Callable | None = None) -> JobRecord:
+    """Show job ``job_id`` from its latest output, then live, until it ends: its final record.
+    KeyboardInterrupt leaves the job running (the caller says so)."""
+    follower = Follower(store, job_id, sink, latest=latest, on_metrics=on_metrics)
+    while True:
+        follower.step()
+        record = store.read(job_id)
+        if record.state.final:
+            follower.finish()
+            return record
+        time.sleep(POLL)
+
+
+def take(store: Store, record: JobRecord) -> Returned:
+    """Rank 0's names and Out[] of the finished job ``record``, once: a second take is refused."""
+    folder = store.folder(record.id)
+    mine = folder / f".results-{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.rename(folder / records.RESULTS, mine)  # the one atomic claim
+    except FileNotFoundError:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.taken)) if record.taken else "earlier"
+        raise JobError(f"taas: job {record.id}'s results were already taken ({when}); its output "
+                       f"is still there: `taas logs {record.id}`") from None
+    try:
+        returned: Returned = pickle.loads(mine.read_bytes())
+    finally:
+        os.unlink(mine)
+    with contextlib.suppress(OSError):
+        (folder / records.TAKEN).touch(mode=0o600)
+    return returned
+
+
+def raise_failure(store: Store, record: JobRecord) -> None:
+    """What an attached cell would have raised for a job that did not succeed."""
+    if record.state is State.FAILED:
+        try:
+            failure = Failure(**json.loads((store.folder(record.id) / FAILURE).read_bytes()))
+        except (OSError, ValueError, TypeError):
+            raise JobFailed(f"job {record.id} failed: {record.cause}") from None
+        if failure.kind in ("JobFailed", "CellSyntaxError") or failure.rendered:
+            raise JobFailed(failure.summary, list(failure.rendered) or None)
+        raise LaunchError(failure.summary)
+    if record.state is State.CANCELLED:
+        raise JobError(f"taas: job {record.id} was cancelled; nothing came back")
+    if record.state is State.LOST:
+        raise JobError(f"taas: job {record.id} is lost: {record.cause}")
+
+
+def cancel(store: Store, job_id: str) -> JobRecord:
+    """Stop job ``job_id``: SIGTERM to its host (the pid its record names, if that process
+    started when the record says), then wait until it is gone; its final record."""
+    record = store.read(job_id)
+    if record.state.final:
+        raise JobError(f"taas: job {job_id} already ended ({record.state.value}); nothing to cancel")
+    deadline = time.monotonic() + 30.0
+    while record.host_pid == 0 and not record.state.final and time.monotonic() < deadline:
+        time.sleep(POLL)  # the host is starting: it writes its pid first thing
+        record = store.read(job_id)
+    host = _host(record)
+    if host is not None:
+        with contextlib.suppress(psutil.Error):
+            host.send_signal(signal.SIGTERM)
+        try:
+            host.wait(CANCEL_GRACE * 2)
+        except psutil.TimeoutExpired:
+            host.kill()
+        except psutil.Error:
+            pass
+    for _ in range(int(CANCEL_GRACE / POLL)):
+        record = store.read(job_id)
+        if record.state.final:
+            break
+        time.sleep(POLL)
+    return record
+
+
+def _host(record: JobRecord) -> psutil.Process | None:
+    if not record.host_pid:
+        return None
+    try:
+        process = psutil.Process(record.host_pid)
+        if abs(process.create_time() - record.host_started) > 0.01:
+            return None  # the pid was reused: not our host
+        return process
+    except psutil.Error:
+        return None
+
+
+def load(returned: Returned) -> tuple[dict, object, bool, list[str]]:
+    """The values of ``returned``, each unpickled on its own: names, Out[], has_out, notes."""
+    values, notes = {}, []
+    for name, data in returned.values.items():
+        try:
+            values[name] = pickle.loads(data)
+        except Exception as exc:  # one value that cannot be read costs itself, not the others
+            notes.append(f"taas: `{name}` could not be read back: {type(exc).__name__}: {exc}")
+    out, has_out = None, returned.has_out
+    if has_out:
+        try:
+            out = pickle.loads(returned.out or b"")
+        except Exception as exc:  # the same for Out[]
+            has_out = False
+            notes.append(f"taas: Out[] could not be read back: {type(exc).__name__}: {exc}")
+    return values, out, has_out, notes
+
+
+__all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel", "follow", "load",
+           "raise_failure", "running_copy", "start", "take"]
+
+
+def request_for(source: str, namespace: dict, options: str, *, filename: str, label: str | None,
+                first_line: int, hidden: frozenset = frozenset(), name_for=None) -> Request:
+    """The cell as a host's Request: everything that can refuse it before a host starts fails
+    here, as for an attached cell (a syntax error, a value that cannot be shipped)."""
+    from taas.data import registry
+    from taas.io import failure
+    from taas.job import analysis, package
+    from taas.workdir.cwd import working_directory
+
+    cwd = working_directory()
+    try:
+        analysis.compile_cell(source, filename, first_line)
+    except SyntaxError as exc:
+        raise failure.syntax_error(exc, name_for) from None
+    cell = analysis.analyse(source)
+    values = package.select(cell.free, namespace, hidden)
+    loaders = {}
+    for name, value in values.items():
+        entry = registry.entry(value)
+        if entry is not None:
+            loaders[name] = (entry.prefetch, entry.buffer_mb)
+    return Request(source=source, options=options, names=package.ship(values), filename=filename,
+                   label=label, first_line=first_line, cwd=cwd, loaders=loaders)
