@@ -1,16 +1,19 @@
 """The rooms of taas, checked on the source: who may import whom, and where IPython may appear.
 
 Read with ``ast`` (nothing is imported), so an import inside a function counts as much as one at
-the top of a module.  Each folder is a room; a module may import its own room and the rooms
-ROOMS lists for it, and those lists form no loop.  Rooms below get what they need from above as
-plain values and callables (the display formatter rank 0 uses, where the notebook's names live,
-how a stand-in finds its loader's view, the transport the session picked).
+the top of a module, and so does a module named in a string for someone to import later (an
+entry point ``"taas.rank.main:main"``, a preload list, ``"module://..."``).  Each folder is a
+room; a module may import its own room and the rooms ROOMS lists for it, and those lists form no
+loop; a module it may not import it may name only where BY_NAME says so.  Rooms below get what
+they need from above as plain values and callables (the display formatter rank 0 uses, where the
+notebook's names live, how a stand-in finds its loader's view, the transport the session picked).
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -66,6 +69,21 @@ ROOMS: dict[str, set[str]] = {
     "taas": {"taas.data", "taas.magics", "taas.session"},
 }
 
+# Modules a room names in a string though its room may not import them, for a job's processes:
+# a rank imports them from that name (an entry point, matplotlib's backend), or the start
+# process does before it forks the ranks (a preload); no code of the naming room uses them.
+# Exact modules, not rooms: naming anything else of those rooms fails like an import.  Together
+# with ROOMS they still form no loop.
+BY_NAME: dict[str, set[str]] = {
+    # starter.PRELOAD: the start process imports the rank runtime before it forks, so that a
+    # job's ranks start warm; the launcher starts whatever entry a ProcessSpec names.
+    "taas.launch.local": {"taas.rank.main"},
+    # Supervisor._spec: each rank's ProcessSpec.entry, "taas.rank.main:main".
+    "taas.supervisor": {"taas.rank.main"},
+    # process_env: MPLBACKEND="module://taas.rank.mpl_backend", imported by matplotlib in a rank.
+    "taas.wiring": {"taas.rank.mpl_backend"},
+}
+
 # Modules allowed to import IPython (anywhere in the module).
 IPYTHON_ALLOWED = {"taas.magics", "taas"}
 
@@ -98,10 +116,16 @@ def _package_of(module: str) -> str:
     return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
 
 
-def _imports(module: str) -> list[tuple[str, int]]:
-    """(imported module, line) for every import in ``module``, at any depth, relative ones
-    resolved; ``from P import n`` counts as P.n when that is a module, else as P."""
-    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+def _parse(module: str, source: str | None) -> ast.Module:
+    path = MODULES.get(module, pathlib.Path(f"<{module}>"))
+    return ast.parse(path.read_text() if source is None else source, str(path))
+
+
+def _imports(module: str, source: str | None = None) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``module`` (or in ``source`` read as
+    ``module``), at any depth, relative ones resolved; ``from P import n`` counts as P.n when
+    that is a module, else as P."""
+    tree = _parse(module, source)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -121,6 +145,33 @@ def _imports(module: str) -> list[tuple[str, int]]:
                    or getattr(node.func, "id", None) in ("import_module", "__import__"))):
             found.append((node.args[0].value, node.lineno))  # importlib with a literal name
     return found
+
+
+# A string that is a dotted taas module's name, maybe with ":attr" (an entry point) or behind
+# "module://" (matplotlib's spelling of a backend module).
+_MODULE_NAME = re.compile(r"(?:module://)?(taas(?:\.\w+)+)(?::[\w.]+)?")
+
+
+def _named(module: str, source: str | None = None) -> list[tuple[str, int]]:
+    """(taas module, line) for every string constant in ``module`` (or ``source``) that names one:
+    an import by computed name, done later by whoever the string is handed to (a preload list,
+    a ProcessSpec's entry, an environment variable).  Docstrings and logger names do not count."""
+    tree = _parse(module, source)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)):
+            skip.add(id(body[0].value))  # a docstring
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "getLogger":
+            skip.update(id(arg) for arg in node.args)  # logging's names, not modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            match = _MODULE_NAME.fullmatch(node.value)
+            if match and match.group(1) in MODULES:
+                found.append((match.group(1), node.lineno))
+    return sorted(found, key=lambda ref: ref[1])
 
 
 def _own(name: str) -> str | None:
@@ -167,22 +218,77 @@ def test_only_the_notebook_layer_imports_ipython():
     assert offenders == [], offenders
 
 
-def test_no_module_imports_a_room_it_may_not():
-    offenders = []
-    for module in MODULES:
-        room = _room(module)
-        for name, line in _imports(module):
+def _offenders(module: str, source: str | None = None,
+               by_name: dict[str, set[str]] | None = None) -> list[str]:
+    """What ``module`` (or ``source`` read as ``module``) imports, or names in a string, that its
+    room may not: a name is allowed where ``by_name`` (BY_NAME) declares that exact module."""
+    by_name = BY_NAME if by_name is None else by_name
+    room, offenders = _room(module), []
+    for how, refs in (("imports", _imports(module, source)), ("names", _named(module, source))):
+        for name, line in refs:
             target = _own(name) if name.split(".")[0] == "taas" else None
             if target is None or _room(target) == room or _room(target) in ROOMS[room]:
                 continue
-            offenders.append(f"{module}:{line} ({room}) imports {target} ({_room(target)})")
+            if how == "names" and target in by_name.get(room, ()):
+                continue
+            offenders.append(f"{module}:{line} ({room}) {how} {target} ({_room(target)})")
+    return offenders
+
+
+def test_no_module_imports_a_room_it_may_not():
+    # Imports, and modules named in strings for a later import (allowed only as BY_NAME says).
+    offenders = [line for module in MODULES for line in _offenders(module)]
     assert offenders == [], offenders
+
+
+def test_every_name_allowed_by_name_is_named():
+    # BY_NAME stays exact: an allowance nothing uses any more is taken out.
+    named = {(_room(module), name) for module in MODULES for name, _ in _named(module)}
+    unused = {(room, name) for room, names in BY_NAME.items() for name in names} - named
+    assert unused == set(), unused
+
+
+def test_the_rooms_and_what_they_name_form_no_loop():
+    # A room naming a module for a rank to import still depends on that room: no loop either.
+    left = {room: (set(allowed) | {_room(name) for name in BY_NAME.get(room, ())}) - {room}
+            for room, allowed in ROOMS.items()}
+    while True:
+        free = [room for room, allowed in left.items() if not allowed]
+        if not free:
+            break
+        for room in free:
+            del left[room]
+        for allowed in left.values():
+            allowed.difference_update(free)
+    assert left == {}, f"rooms on a loop: {sorted(left)}"
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path):
     # The checks above are only as good as _imports: it must see a lazy import too.
     found = dict(_imports("taas.rank.main"))
     assert "taas.data.view" in found  # imported inside _loader_view and _install_data_views
+
+
+def test_the_checker_sees_imports_by_computed_name():
+    # A module named in a string is imported later by whoever gets the string: the real ones...
+    assert "taas.rank.main" in dict(_named("taas.launch.local.starter"))  # PRELOAD
+    assert "taas.rank.main" in dict(_named("taas.supervisor.supervisor"))  # "taas.rank.main:main"
+    assert "taas.rank.mpl_backend" in dict(_named("taas.wiring"))  # "module://taas.rank.mpl_backend"
+    assert "taas.rank.main" not in dict(_imports("taas.launch.local.starter"))  # no import statement
+    # ... and each is an offence unless BY_NAME declares it.
+    assert _offenders("taas.launch.local.starter", by_name={}) == [
+        f"taas.launch.local.starter:{dict(_named('taas.launch.local.starter'))['taas.rank.main']} "
+        "(taas.launch.local) names taas.rank.main (taas.rank)"]
+    source = ('"""A launcher module: its docstring may mention taas.rank.comm."""\n'
+              "import logging\n"
+              "log = logging.getLogger('taas.rank.comm')  # a logger's name, not a module\n"
+              "PRELOAD = ('torch', 'taas.rank.main', 'taas.rank.comm')\n"
+              "ENTRY = 'taas.rank.display:format_bundle'\n"
+              "NOTE = 'see taas.rank.comm for how'  # prose, not a name\n")
+    assert _offenders("taas.launch.local.example", source) == [
+        "taas.launch.local.example:4 (taas.launch.local) names taas.rank.comm (taas.rank)",
+        "taas.launch.local.example:5 (taas.launch.local) names taas.rank.display (taas.rank)"]
+    assert len(_offenders("taas.launch.local.example", source, by_name={})) == 3  # taas.rank.main too
 
 
 @pytest.mark.parametrize("code", [
