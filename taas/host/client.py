@@ -77,7 +77,8 @@ def start(store: Store, request: Request, *, ranks: int, where: str, notebook: s
     lock = hold_lock(folder)  # held for the host from the start: the record never reads lost meanwhile
     try:
         os.set_inheritable(lock, True)
-        log = open(folder / "host.log", "ab")  # the host's own stderr: a crash of taas itself
+        # The host's own stderr (a crash of taas itself), private as the rest of the record.
+        log = os.fdopen(os.open(folder / "host.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         env = dict(os.environ, **(spawn_env or {}), TAAS_HOST_LOCK_FD=str(lock))
         process = subprocess.Popen(
             [sys.executable, "-m", "taas.host", str(folder)], cwd=request.cwd, env=env,

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(store: Store, record, request: Request, sink: RecordSink):
     from taas.data import registry
+    from taas.job import package
     from taas.job.metrics import HISTORY
     from taas.session import WARN, Session, write_note
 
@@ -94,7 +95,8 @@ def _run(store: Store, record, request: Request, sink: RecordSink):
     session.on_state = on_state
     HISTORY.observers.append(sink.metrics)
     try:
-        namespace.update(cloudpickle.loads(request.names))
+        # One namespace shared with the shipped functions, as in a rank (package.unship).
+        namespace.update(package.unship(request.names))
         for name, (prefetch, buffer_mb) in request.loaders.items():
             registry.register(namespace[name], prefetch=prefetch, buffer_mb=buffer_mb)
         options = dataclasses.replace(directive.parse_options(request.options), detach=False)

@@ -1,0 +1,225 @@
+"""Jobs that outlive the kernel (``--detach``), through real kernels: the cell returns once the
+ranks run; a killed kernel leaves the job running; a new kernel attaches, sees the output from
+the first line and gets rank 0's names, Out[] and every taas.log row; a failure shows the root
+cause with the cell's lines; cancel and a killed host leave nothing; re-running the same cell
+attaches instead of starting a copy; an interrupt while attached only detaches.
+
+Jobs wait for a file the test creates (an event), never for time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.support.kernel_driver import Kernel, cell, shm_entries, unmapped_shm, wait_for, wait_until_gone
+
+pytestmark = pytest.mark.kernel
+
+NOTEBOOK = "work/detach.ipynb"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("taas-home")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("notebook")
+
+
+def start_kernel(workdir, home) -> Kernel:
+    return Kernel(str(workdir), env={"TAAS_HOME": str(home), "JPY_SESSION_NAME": NOTEBOOK})
+
+
+@pytest.fixture(scope="module")
+def kernel(workdir, home):
+    k = start_kernel(workdir, home)
+    yield k
+    k.shutdown()
+
+
+def record(home, job_id: str) -> dict:
+    return json.loads((home / "jobs" / job_id / "record.json").read_text())
+
+
+def job_of(run) -> str:
+    assert run.error is None, run.traceback
+    line = [x for x in run.stdout.splitlines() if " detached: " in x]
+    assert len(line) == 1, run.stdout
+    assert "%taas attach" in line[0] and "taas attach" in line[0]
+    return line[0].split("job ", 1)[1].split()[0]
+
+
+def host_tree(home, job_id: str) -> list[psutil.Process]:
+    """The job's host and everything under it (guard, start process, ranks)."""
+    host = psutil.Process(wait_for(lambda: record(home, job_id)["host_pid"], what="the host's pid"))
+    return [host, *host.children(recursive=True)]
+
+
+def ranks_of(tree) -> list[psutil.Process]:
+    return [p for p in tree if p.name().startswith("taas-rank")]
+
+
+def waiting_cell(go, body: str = "", gpus: int = 2) -> str:
+    """A detached cell whose ranks print, then wait for ``go`` to exist, then run ``body``."""
+    return cell(f"""
+        %%taas --gpus {gpus} --detach
+        import os, time, taas
+        import torch, torch.distributed as dist
+        print("first line", dist.get_rank(), flush=True)
+        taas.log(step=0, loss=1.0)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.02)
+        taas.log(step=1, loss=0.5)
+        """) + "\n" + body
+
+
+def test_a_killed_kernel_leaves_the_job_and_a_new_kernel_gets_its_results(workdir, home, tmp_path):
+    go = tmp_path / "go"
+    first = start_kernel(workdir, home)
+    try:
+        assert first.run("import torch\nbase = torch.arange(4.0)\ndef double(x):\n    return 2 * x").error is None
+        run = first.run(waiting_cell(go, cell("""
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            doubled = double(base) + t
+            print("last line", dist.get_rank())
+            int(t.item())
+            """)))
+        job = job_of(run)
+        assert record(home, job)["state"] == "running"  # the cell returned once the ranks ran
+        tree = host_tree(home, job)
+        assert len(ranks_of(tree)) == 2
+        os.kill(first.pid, signal.SIGKILL)  # nothing of the kernel is needed from now on
+        wait_until_gone([first.pid])
+    finally:
+        first.shutdown()
+    assert all(p.is_running() for p in tree)  # the job goes on
+    go.touch()
+    second = start_kernel(workdir, home)
+    try:
+        run = second.run(f"%taas attach {job}")
+        assert run.error is None, run.traceback
+        out = run.stdout
+        assert "[rank0-1] first line" in out or ("[rank0] first line 0" in out and "[rank1] first line 1" in out), out
+        assert out.index("first line") < out.index("last line")  # from the first line on
+        assert run.result == "2"  # Out[]: the all_reduce over 2 ranks
+        check = second.run(f"import taas\nprint(doubled.tolist())\nrows = taas.metrics({job!r})\n"
+                           "rows = rows.to_dict('records') if hasattr(rows, 'to_dict') else rows\n"
+                           "print(sorted((r['step'], r['rank']) for r in rows))")
+        assert check.error is None, check.traceback
+        assert check.stdout.splitlines()[0] == "[2.0, 4.0, 6.0, 8.0]"
+        assert check.stdout.splitlines()[1] == "[(0, 0), (0, 1), (1, 0), (1, 1)]"  # every row since the start
+        again = second.run(f"%taas attach {job}")  # results land once
+        assert again.status == "error" and "already taken" in again.stderr, again.stderr
+        assert wait_until_gone([p.pid for p in tree]) == []
+    finally:
+        second.shutdown()
+
+
+def test_the_failing_rank_traceback_shows_with_the_cell_lines(kernel, home):
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --detach
+        import torch.distributed as dist
+        dist.barrier()
+        if dist.get_rank() == 1:
+            raise ValueError("rank one broke")
+        dist.barrier()
+        """))
+    if run.error is None:  # the job may still be running when the cell returns
+        job = job_of(run)
+        run = kernel.run(f"%taas attach {job}")
+    assert run.error is not None
+    assert "ValueError" in run.traceback and "rank one broke" in run.traceback
+    assert "line 5" in run.traceback and "raise ValueError" in run.traceback  # the cell's own line
+    assert "taas/" not in run.traceback.replace("taas/jobs", "")
+    listing = kernel.run("%taas jobs").stdout
+    assert "failed" in listing and "rank one broke" in listing  # the root cause in one line
+
+
+def test_cancel_stops_every_process_and_leaves_nothing(kernel, home, tmp_path):
+    shm_before = shm_entries()
+    job = job_of(kernel.run(waiting_cell(tmp_path / "never")))
+    tree = host_tree(home, job)
+    run = kernel.run(f"%taas cancel {job}")
+    assert run.error is None, run.traceback
+    assert run.stdout.strip() == f"taas: job {job} cancelled"
+    assert wait_until_gone([p.pid for p in tree]) == []  # within 5 s of the cancel's end
+    assert record(home, job)["state"] == "cancelled"
+    assert unmapped_shm(shm_entries() - shm_before) == set()
+    again = kernel.run(f"%taas cancel {job}")
+    assert again.stderr.strip() == f"UsageError: taas: job {job} already ended (cancelled); nothing to cancel"
+
+
+def test_a_killed_host_ends_its_ranks_and_reads_lost(kernel, home, tmp_path):
+    job = job_of(kernel.run(waiting_cell(tmp_path / "never")))
+    tree = host_tree(home, job)
+    tree[0].send_signal(signal.SIGKILL)
+    assert wait_until_gone([p.pid for p in tree]) == []  # no orphan ranks: gone within 5 s
+    listing = kernel.run("%taas jobs").stdout
+    assert f"{job} lost:" in listing and "ended without a word" in listing, listing
+    assert record(home, job)["state"] == "lost"
+    run = kernel.run(f"%taas attach {job}")
+    assert run.status == "error" and f"job {job} is lost" in run.stderr
+
+
+def test_running_the_same_cell_again_attaches_and_an_interrupt_only_detaches(kernel, home, tmp_path):
+    go = tmp_path / "go"
+    code = waiting_cell(go, "print('finished', dist.get_rank())\n")
+    job = job_of(kernel.run(code))
+    tree = host_tree(home, job)
+    # The same cell again: no second job, the cell follows the first one.  Interrupt it once it
+    # shows the job's output: the job goes on.
+    msg = kernel.execute(code)
+    wait_for(lambda: any(p.name() == "taas-rank0" for p in tree), what="the ranks")
+    seen = []
+    while not any("first line" in text for text in seen):
+        message = kernel.kc.get_iopub_msg(timeout=120)
+        if message["parent_header"].get("msg_id") == msg and message["msg_type"] == "stream":
+            seen.append(message["content"]["text"])
+    assert any(f"this cell's job {job} is still running" in text for text in seen), seen
+    kernel.km.interrupt_kernel()
+    reply = kernel.reply(msg)
+    assert reply["content"]["status"] == "ok"
+    assert all(p.is_running() for p in tree)
+    assert len([p for p in psutil.process_iter(["name"]) if p.info["name"] == "taas-rank0"
+                and p.pid in {q.pid for q in tree}]) == 1
+    go.touch()
+    run = kernel.run(f"%taas attach {job}")
+    assert run.error is None, run.traceback
+    assert "finished 0" in run.stdout.replace("[rank0-1] finished", "finished 0 finished 1") or \
+        "[rank0] finished 0" in run.stdout
+    fresh = kernel.run(code.replace("--detach", "--detach --fresh"))
+    other = job_of(fresh)
+    assert other != job
+    kernel.run(f"%taas cancel {other}")
+
+
+def test_bad_ids_are_one_line_each(kernel, home):
+    for words, expected in (("attach zz", "is not a job id"), ("attach 0123456", "no job '0123456' here"),
+                            ("cancel", "takes a job id"), ("forget 01234567", "no job")):
+        run = kernel.run(f"%taas {words}")
+        assert run.status == "error", run.stdout
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("UsageError: ") and expected in lines[0], run.stderr
+
+
+def test_keep_with_detach_is_refused_before_anything_starts(kernel):
+    run = kernel.run("%%taas --gpus 2 --detach --keep\npass")
+    assert run.stderr.strip().startswith("UsageError: --detach with --keep is not supported yet")
+
+
+def test_records_are_private(home):
+    jobs = home / "jobs"
+    assert os.stat(jobs).st_mode & 0o077 == 0
+    for entry in jobs.iterdir():
+        assert os.stat(entry).st_mode & 0o077 == 0
+        for item in entry.rglob("*"):
+            assert os.stat(item).st_mode & 0o077 == 0, item
+    assert time.time()  # the walk above reached every file
