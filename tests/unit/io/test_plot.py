@@ -3,6 +3,7 @@ an interval, in place, and once at the end where displays cannot update; no pypl
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -149,12 +150,45 @@ def test_a_text_only_sink_gets_one_line_and_nothing_logged_nothing_shown():
     assert sink.lines == [("stderr", "taas: metrics of rank 0: loss 0.125 (step 4); taas.metrics() has every row\n")]
 
 
-def test_a_failing_draw_never_fails_the_job():
-    class Refusing(LiveSink):
-        def live(self, *args):
-            raise ValueError("no")
+class Refusing(LiveSink):
+    """A front end that refuses every picture."""
 
-    live = plot.LivePlot(Refusing(), lambda: {"loss": ([0], [1.0])}, clock=Clock())
-    live.changed()
-    live.changed()
-    live.close()
+    def live(self, *args):
+        self.calls.append(args)
+        raise ValueError("no")
+
+
+@pytest.mark.parametrize("failing", ["the front end", "the drawing"])
+def test_a_failing_draw_never_fails_the_job(failing, monkeypatch, caplog):
+    sink = Refusing() if failing == "the front end" else LiveSink()
+    renders = []
+
+    def render(series, title):
+        renders.append(title)
+        if failing == "the drawing":
+            raise ValueError("no")  # as with a broken matplotlib
+        return b"png"
+
+    monkeypatch.setattr(plot, "render", render)
+    clock = Clock()
+    live = plot.LivePlot(sink, lambda: {"loss": ([0], [1.0])}, clock=clock)
+    with caplog.at_level(logging.WARNING, logger=plot.log.name):
+        live.changed()  # draws (in a thread); the front end refuses it at the next change
+        drawn(live)
+        live.changed()
+        what = "shown" if failing == "the front end" else "drawn"
+        assert [r.getMessage() for r in caplog.records] == [f"the metrics plot is not {what}: ValueError: no"]
+        assert renders == ["taas metrics (rank 0)"] and len(sink.calls) == (failing == "the front end")
+        # The plot is off: later rows, long after (a drawing would be due), start no drawing
+        # and show nothing.
+        assert not live.live
+        for _ in range(3):
+            clock.now += 60
+            live.changed()
+        drawn(live)
+        assert len(renders) == 1 and len(sink.calls) == (failing == "the front end")
+        # At the end one last try at the final picture, which fails in the same way, logged.
+        caplog.clear()
+        live.close()
+    assert [r.getMessage() for r in caplog.records] == ["the metrics plot is not drawn: ValueError: no"]
+    assert len(renders) == 2

@@ -68,7 +68,14 @@ def test_small_plain_values_compare_by_content_others_by_identity():
     k.remember("xs", xs)
     xs.append(3)
     assert not k.holds("xs", xs)
-    assert fingerprint(5) == fingerprint(5)
+    # Distinct objects with equal content: the same fingerprint; other content: another one.
+    big, other = 10**30, int("1" + "0" * 30)
+    assert big is not other and fingerprint(big) == fingerprint(other)
+    a, b = {"lr": 0.1, "layers": [1, (2, "x")]}, {"lr": 0.1, "layers": [1, (2, "x")]}
+    assert a is not b and fingerprint(a) == fingerprint(b)
+    assert fingerprint([1, 2]) == fingerprint([1, 2]) != fingerprint([1, 3])
+    assert fingerprint(big) != fingerprint(big + 1)
+    assert fingerprint(a) != fingerprint({**a, "lr": 0.2})
     f = lambda: 1  # noqa: E731
     assert fingerprint(f) == ("id", id(f))
 

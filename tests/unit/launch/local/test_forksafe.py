@@ -4,6 +4,10 @@ its test hook (forksafe.TEST_HOOK)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 
@@ -88,12 +92,69 @@ def test_the_check_sees_torch_cuda_initialised(monkeypatch):
     assert forksafe.refusal() == forksafe.REFUSAL
 
 
+def _gpus_cuda_would_show(visible: str | None) -> int | None:
+    """The GPUs a process would see, counted without torch: nvidia-smi's list (none without
+    nvidia-smi or a torch built without CUDA), less what ``CUDA_VISIBLE_DEVICES`` (``visible``)
+    hides -- its entries up to the first index that names no GPU.  None where this cannot
+    tell (MIG instances)."""
+    import torch
+
+    smi = shutil.which("nvidia-smi")
+    if torch.version.cuda is None or smi is None:
+        return 0
+    listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    if listed.returncode != 0:
+        return 0
+    if "MIG" in listed.stdout:
+        return None
+    gpus = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+    if visible is None:
+        return gpus
+    shown = 0
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or (entry.lstrip("-").isdigit() and not 0 <= int(entry) < gpus):
+            break
+        shown += 1
+    return min(shown, gpus)
+
+
+# cuda_device_count() in a fresh interpreter (torch counts once per process), with
+# is_available refused: [count, whether CUDA got initialised].
+_COUNT_IN_A_FRESH_PROCESS = """
+import json, torch
+def refuse():
+    raise AssertionError("is_available initialises the driver")
+torch.cuda.is_available = refuse
+from taas.launch.api import cuda_device_count
+count = cuda_device_count()
+print(json.dumps([count, torch.cuda.is_initialized()]))
+"""
+
+
 def test_counting_gpus_never_initialises_cuda(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("is_available initialises the driver"))
-    assert cuda_device_count() >= 0
+    expected = _gpus_cuda_would_show(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    count = cuda_device_count()
+    assert count == expected or expected is None, (count, expected)
     assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.parametrize("visible", ["", "0"])
+def test_gpus_hidden_by_cuda_visible_devices_are_not_counted(visible):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+    done = subprocess.run([sys.executable, "-c", _COUNT_IN_A_FRESH_PROCESS], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    count, initialised = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not initialised
+    if visible == "":
+        assert count == 0  # every GPU hidden
+    else:
+        expected = _gpus_cuda_would_show(visible)
+        assert count == expected or expected is None, (count, expected)
+        assert count <= 1
 
 
 def test_a_spawn_error_says_whether_the_start_process_is_exiting():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 
 import pytest
@@ -32,8 +33,38 @@ def test_the_kernel_needs_a_batch_of_write_ends_while_starting():
     assert limits._fds_needed(many) == 3 * many + protocol.FDS_PER_MESSAGE
 
 
-def test_a_small_job_fits():
-    limits.check_fd_limit(2)
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))  # as check_fd_limit counts them
+
+
+@pytest.fixture
+def soft_limit():
+    """Set the soft open-file limit for a test; the old one comes back after it."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def set_soft(soft: int) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
+
+    yield set_soft
+    resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def test_a_small_job_fits(soft_limit):
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = _open_files() + limits._fds_needed(2) + limits._FD_MARGIN
+    if hard != resource.RLIM_INFINITY and hard < need + 64:
+        pytest.skip(f"a hard open-file limit of {hard} leaves no room to try")
+    # Under a soft limit with room to spare: it fits as it is, and the limit is left alone.
+    soft_limit(need + 32)
+    assert limits.check_fd_limit(2) is None
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (need + 32, hard)
+    # Under a soft limit a little too low: it fits once the soft limit is raised, to what the
+    # job needs (not to the hard limit), and nothing is refused.
+    soft_limit(need - 8)
+    need = _open_files() + limits._fds_needed(2) + limits._FD_MARGIN
+    assert limits.check_fd_limit(2) is None
+    soft, after = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert after == hard and need <= soft <= need + 4, (soft, need)
 
 
 def test_a_job_too_big_for_the_open_file_limit_is_refused_with_what_fits():
