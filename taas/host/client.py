@@ -100,7 +100,6 @@ def start(store: Store, request: Request, *, ranks: int, where: str, notebook: s
                 record = store.read(record.id)
                 break
             time.sleep(POLL)
-        follower.step()
     except KeyboardInterrupt:
         cancel(store, record.id)
         raise

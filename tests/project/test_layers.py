@@ -62,10 +62,16 @@ ROOMS: dict[str, set[str]] = {
                      "taas.job.memory", "taas.workdir", "taas.launch", "taas.launch.local",
                      "taas.launch.ray", "taas.data", "taas.data.shm", "taas.data.tcp",
                      "taas.rank", "taas.supervisor"},
+    # Jobs that outlive the kernel: their records on disk (pure file operations), the job host
+    # that runs one with a Session of its own (and the viewer's side of it), the terminal face.
+    "taas.jobs": {"taas.errors"},
+    "taas.host": {"taas.errors", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
+                  "taas.directive", "taas.workdir"},
+    "taas.cli": {"taas.errors", "taas.host", "taas.jobs"},
     # The notebook face.
     "taas.status": {"taas.session", "taas.data"},
     "taas.magics": {"taas.errors", "taas.directive", "taas.job", "taas.workdir", "taas.session",
-                    "taas.status"},
+                    "taas.status", "taas.host", "taas.jobs"},
     "taas": {"taas.data", "taas.magics", "taas.session"},
 }
 
