@@ -103,10 +103,11 @@ def load_ipython_extension(ipython) -> None:
     choose_display_formatter()
     session = Session()
     session.warm()  # torch imports in the background while the user writes the next cell
-    ipython.register_magics(TaasMagics(ipython, session))
+    magics = TaasMagics(ipython, session)
+    ipython.register_magics(magics)
     ipython.input_transformers_cleanup.insert(0, pragma_transformer)
     ipython.events.register("post_run_cell", session.after_cell)
-    _loaded.update(shell=ipython, session=session)
+    _loaded.update(shell=ipython, session=session, magics=magics)
 
 
 def unload_ipython_extension(ipython) -> None:
@@ -119,6 +120,7 @@ def unload_ipython_extension(ipython) -> None:
         ipython.input_transformers_cleanup.remove(pragma_transformer)
     for kind in ("line", "cell"):
         ipython.magics_manager.magics[kind].pop("taas", None)
+    _loaded.pop("magics").close()
     session = _loaded.pop("session")
     try:
         ipython.events.unregister("post_run_cell", session.after_cell)

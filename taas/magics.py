@@ -129,6 +129,12 @@ class TaasMagics(Magics):
     def __init__(self, shell, session: Session):
         super().__init__(shell)
         self.session = session
+        self.hosts = None  # taas.host.client.Hosts: a warm job host for the next --detach
+
+    def close(self) -> None:
+        """``%unload_ext``: let the warm job host go (a host with a job goes on)."""
+        if self.hosts is not None:
+            self.hosts.close()
 
     @line_cell_magic
     def taas(self, line: str, cell: str | None = None):
@@ -185,6 +191,8 @@ class TaasMagics(Magics):
         store = Store()
         notebook = os.environ.get("JPY_SESSION_NAME", "")
         whole = f"{line}\n{cell}"
+        if self.hosts is None:
+            self.hosts = client.Hosts()
         try:
             copy = client.running_copy(store, whole, notebook) if notebook and not options.fresh else None
             if copy is not None:
@@ -196,7 +204,8 @@ class TaasMagics(Magics):
                                          label=self._name_for(filename), first_line=2,
                                          hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for)
             record = client.start(store, request, ranks=options.gpus or 0, where="this machine",
-                                  notebook=notebook, sink=sink or TerminalSink(), hashed=whole)
+                                  notebook=notebook, sink=sink or TerminalSink(), hosts=self.hosts,
+                                  hashed=whole)
         except (*_BEFORE_LAUNCH, client.JobError) as exc:
             raise UsageError(str(exc)) from None
         print(f"taas: job {record.id} detached: {record.ranks} ranks; follow it with %taas attach {record.id}, "

@@ -1,4 +1,4 @@
-"""``python -m taas.host FOLDER``: see :mod:`taas.host.main`."""
+"""``python -m taas.host``: a job host (see :mod:`taas.host.main`)."""
 
 import sys
 

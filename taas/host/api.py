@@ -6,6 +6,8 @@
   (one that cannot be read costs itself and a note), written by the host when the job succeeded.
 * :class:`Failure` (``failure.json``): a failed job's rendering (the root cause's traceback with
   the cell's own lines), so that an attaching notebook shows what the cell would have shown.
+* On the host's socket, while the kernel that started it waits: :class:`Take` (run this job),
+  :class:`Running` (its ranks run).
 """
 
 from __future__ import annotations
@@ -40,3 +42,39 @@ class Failure:
     summary: str  # one line
     rendered: tuple = ()  # the notebook's traceback lines (ANSI colours kept)
     kind: str = "JobFailed"  # JobFailed, LaunchError, PackagingError, ... (the cell's exception)
+
+
+# -- the host's socket: a kernel and a host that waits for a job (a warm spare) ------------------
+# One SOCK_SEQPACKET socketpair per host, made by the kernel that starts it.  Each message is
+# one JSON object; unknown or unreadable messages are ignored by both ends.
+@dataclass(frozen=True)
+class Take:
+    """kernel -> host: run the job whose record folder is ``folder`` (its lock fd rides along
+    as SCM_RIGHTS).  From then on the host needs nothing of the kernel."""
+
+    folder: str
+
+
+@dataclass(frozen=True)
+class Running:
+    """host -> kernel: the ranks of job ``job`` run (or it ended first: ``ended``)."""
+
+    job: str
+    ended: bool = False
+
+
+def encode(message: Take | Running) -> bytes:
+    import json
+
+    return json.dumps({"kind": type(message).__name__, **message.__dict__}).encode()
+
+
+def decode(data: bytes) -> Take | Running | None:
+    import json
+
+    try:
+        fields = json.loads(data)
+        kind = {"Take": Take, "Running": Running}[fields.pop("kind")]
+        return kind(**fields)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -20,7 +20,9 @@ import json
 import os
 import pathlib
 import pickle
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +32,7 @@ from collections.abc import Callable
 import psutil
 
 from taas.errors import JobFailed, LaunchError, RenderedError
-from taas.host.api import FAILURE, Failure, Request, Returned
+from taas.host.api import FAILURE, Failure, Request, Returned, Running, Take, decode, encode
 from taas.jobs import api as records
 from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogReader, read_view
@@ -63,46 +65,127 @@ def running_copy(store: Store, source: str, notebook: str) -> JobRecord | None:
     return None
 
 
+class Hosts:
+    """This kernel's job hosts that have no job yet: one started ahead of need and kept warm
+    (its Session's start process has torch imported) for the next ``--detach``.  A spare host
+    ends when this kernel does (its socket closes); :meth:`close` ends it sooner."""
+
+    def __init__(self, store: Store | None = None):
+        self.store = store
+        self._spare: _Spare | None = None
+        self._lock = threading.Lock()
+
+    def take(self, store: Store) -> _Spare:
+        """A host to give a job to: the warm spare, or a new one (cold) if there is none."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.process.poll() is None and spare.root == store.root:
+            return spare
+        if spare is not None:
+            spare.close()
+        return _Spare(store)
+
+    def prewarm(self, store: Store) -> None:
+        """Start the next spare in the background (the next detached cell of a Run All is warm)."""
+        def start() -> None:
+            try:
+                spare = _Spare(store)
+            except OSError:  # no spare: the next detached cell starts a host cold, nothing lost
+                return
+            with self._lock:
+                old, self._spare = self._spare, spare
+            if old is not None:
+                old.close()
+
+        threading.Thread(target=start, name="taas-spare-host", daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+
+
+class _Spare:
+    """A job host started by this kernel, waiting on its socket for a job."""
+
+    def __init__(self, store: Store):
+        self.root = store.root
+        hosts = store.ensure() / ".hosts"
+        hosts.mkdir(mode=0o700, exist_ok=True)
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Its stderr until it has a job (then the record's host.log): a crash of taas itself.
+        log = hosts / f"{os.getpid()}-{time.monotonic_ns()}.log"
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            env = dict(os.environ, TAAS_HOST_SOCKET=str(theirs.fileno()), TAAS_HOST_LOG=str(log))
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "taas.host"], env=env, stdin=subprocess.DEVNULL, stdout=fd,
+                stderr=subprocess.STDOUT, close_fds=True, pass_fds=(theirs.fileno(),), start_new_session=True)
+        finally:
+            os.close(fd)
+            theirs.close()
+        # Reaped when it ends while this process lives; if this process dies first, init reaps it.
+        threading.Thread(target=self.process.wait, name="taas-host", daemon=True).start()
+
+    def give(self, folder: pathlib.Path, lock: int) -> None:
+        socket.send_fds(self.sock, [encode(Take(str(folder)))], [lock])
+
+    def wait(self, timeout: float) -> Running | None:
+        """The host's next word within ``timeout`` s; ``Running(ended=True)`` if it is gone."""
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            data = self.sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            return Running("", ended=True)
+        message = decode(data)
+        return message if isinstance(message, Running) else None
+
+    def close(self) -> None:
+        """Let it go: an idle host exits when its socket closes; one with a job goes on."""
+        self.sock.close()
+
+
 def start(store: Store, request: Request, *, ranks: int, where: str, notebook: str, sink,
-          hashed: str | None = None, spawn_env: dict | None = None) -> JobRecord:
-    """Start ``request`` under a host of its own and show its output until the ranks run; its
-    record then.  A job that ends before (a launch error, a failure in the first seconds) raises
-    what an attached cell would; an interrupt meanwhile cancels it.  ``hashed``: the text that
-    identifies the cell (its options and body; default: the body), for :func:`running_copy`."""
+          hosts: Hosts | None = None, hashed: str | None = None) -> JobRecord:
+    """Start ``request`` under a job host (``hosts``' warm spare, else a new one) and show its
+    output until the ranks run; its record then.  A job that ends before (a launch error, a
+    failure in the first seconds) raises what an attached cell would; an interrupt meanwhile
+    cancels it.  ``hashed``: the text that identifies the cell (its options and body; default:
+    the body), for :func:`running_copy`."""
+    hosts = hosts or Hosts()
     record = JobRecord(id=_fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
                        started=time.time(), notebook=notebook, first_line=first_code_line(request.source),
                        source_hash=source_hash(hashed or request.source), cwd=request.cwd)
     folder = store.create(record)
     write_file(folder / records.REQUEST, pickle.dumps(request))
-    lock = hold_lock(folder)  # held for the host from the start: the record never reads lost meanwhile
+    host = hosts.take(store)
+    lock = hold_lock(folder)  # held for the host from now on: the record never reads lost meanwhile
     try:
-        os.set_inheritable(lock, True)
-        # The host's own stderr (a crash of taas itself), private as the rest of the record.
-        log = os.fdopen(os.open(folder / "host.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
-        env = dict(os.environ, **(spawn_env or {}), TAAS_HOST_LOCK_FD=str(lock))
-        process = subprocess.Popen(
-            [sys.executable, "-m", "taas.host", str(folder)], cwd=request.cwd, env=env,
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
-            pass_fds=(lock,), start_new_session=True)
-        log.close()
+        host.give(folder, lock)
+    except OSError as exc:
+        raise LaunchError(f"taas: could not hand job {record.id} to a job host: {exc}") from None
     finally:
         os.close(lock)
-    # Reaped when it ends while this process lives; if this process dies first, init reaps it.
-    threading.Thread(target=process.wait, name=f"taas-host-{record.id}", daemon=True).start()
     follower = Follower(store, record.id, sink)
     try:
         while True:
             follower.step()
-            record = store.read(record.id)
-            if record.state is not State.WAITING:
+            said = host.wait(POLL)
+            if said is not None:
                 break
-            if process.poll() is not None:  # the host itself could not start
-                record = store.read(record.id)
-                break
-            time.sleep(POLL)
+        record = store.read(record.id)
     except KeyboardInterrupt:
+        host.close()
         cancel(store, record.id)
         raise
+    finally:
+        host.close()
+        hosts.prewarm(store)
     if record.state is State.WAITING:  # the host ended before it wrote a word
         raise LaunchError(f"taas: the host of job {record.id} could not start: "
                           f"{_tail(folder / 'host.log')}")
@@ -146,9 +229,12 @@ class Follower:
                        f"(`taas logs {job_id}` prints them all)\n")
         self._view_at = None
         self._shown: dict = {"progress": {}, "panel": None, "live": {}}
+        # What ended in the log, and at which record: a view saved before that (its ``n`` not
+        # past the record) still shows it open, and must not open it again.
+        self._ended: dict = {}
 
     def step(self) -> None:
-        for item in self.reader.read():
+        for item in self.reader.read(with_index=True):
             self._show(item)
         if self.on_metrics is not None:
             for item in self.metrics.read():
@@ -165,20 +251,29 @@ class Follower:
             sink.write(item["s"], item["x"])
         elif op == "p":
             self._shown["progress"].pop(f"{item['k']}\n{item['s']}", None)
+            self._ended[("progress", f"{item['k']}\n{item['s']}")] = item.get("i", 0)
             if hasattr(sink, "progress"):
                 sink.progress(item["k"], item["s"], item["x"], True)
         elif op == "d" and hasattr(sink, "display"):
             sink.display(item["data"], item["md"])
         elif op == "l" and hasattr(sink, "live"):
             self._shown["live"].pop(item["n"], None)
+            self._ended[("live", item["n"])] = item.get("i", 0)
             sink.live(item["n"], item["data"], item["md"], True)
         elif op == "dropped":
             sink.write("stderr", f"taas: {item['n']:,} output records dropped here: the job's log keeps its "
                        f"first and its latest output (TAAS_LOG_CAP)\n")
 
+    def _stale(self, kind: str, name: str, view: dict) -> bool:
+        """Whether ``view`` was saved before the log's record that ended ``name``."""
+        ended = self._ended.get((kind, name))
+        return ended is not None and view.get("n", 0) <= ended
+
     def _update(self, view: dict) -> None:
         sink = self.sink
         for where, text in (view.get("progress") or {}).items():
+            if self._stale("progress", where, view):
+                continue
             if self._shown["progress"].get(where) != text and hasattr(sink, "progress"):
                 key, stream = where.split("\n", 1)
                 sink.progress(key, stream, text, False)
@@ -193,6 +288,8 @@ class Follower:
         self._shown["panel"] = panel
         if hasattr(sink, "live"):
             for name, shown in (view.get("live") or {}).items():
+                if self._stale("live", name, view):
+                    continue
                 if self._shown["live"].get(name) != shown:
                     sink.live(name, shown["data"], shown["md"], False)
                     self._shown["live"][name] = shown
@@ -316,7 +413,7 @@ def load(returned: Returned) -> tuple[dict, object, bool, list[str]]:
     return values, out, has_out, notes
 
 
-__all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel", "follow", "load",
+__all__ = ["Follower", "Hosts", "JobError", "RenderedError", "Request", "Store", "cancel", "follow", "load",
            "raise_failure", "running_copy", "start", "take"]
 
 

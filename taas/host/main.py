@@ -1,10 +1,12 @@
-"""``python -m taas.host FOLDER``: run the job whose request is in FOLDER, to its end, alone.
+"""``python -m taas.host``: a job host -- wait for a job, then run it to its end, alone.
 
-The host is started by a kernel (:mod:`taas.host.client`) in a session of its own, with the
-record's lock already held for it (fd ``TAAS_HOST_LOCK_FD``); from then on it needs nothing of
-the kernel.  It runs the cell with a :class:`~taas.session.Session` of its own -- the same
-supervisor, launcher and ranks as an attached cell -- and writes everything it would have shown
-into the record (:class:`~taas.host.sink.RecordSink`), then rank 0's results or the failure.
+The host is started by a kernel (:mod:`taas.host.client`) in a session of its own, ahead of
+need: it makes its Session warm and waits on its socket for a :class:`~taas.host.api.Take`,
+which carries the record's lock (already held for it).  From then on it needs nothing of the
+kernel; until then it ends with the kernel (the socket closes).  It runs the cell with a
+:class:`~taas.session.Session` of its own -- the same supervisor, launcher and ranks as an
+attached cell -- and writes everything it would have shown into the record
+(:class:`~taas.host.sink.RecordSink`), then rank 0's results or the failure.
 
 SIGTERM (``taas cancel``) is an interrupt: every process stopped, the record ``cancelled``.
 SIGKILL leaves the record ``running`` with its lock free: readers mark it ``lost``; the ranks
@@ -13,12 +15,14 @@ end with the host, as they end with a killed kernel (the launcher's guard).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pathlib
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -28,12 +32,12 @@ import psutil
 
 from taas import directive
 from taas.errors import JobFailed, RenderedError, TaasError
-from taas.host.api import FAILURE, Failure, Request, Returned
+from taas.host.api import FAILURE, Failure, Request, Returned, Running, Take, decode, encode
 from taas.host.sink import RecordSink
 from taas.jobs import api as records
 from taas.jobs.api import State
 from taas.jobs.log import LogWriter
-from taas.jobs.store import Store, hold_lock, write_file
+from taas.jobs.store import Store, write_file
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +46,36 @@ def _cancel(signum, frame):
     raise KeyboardInterrupt("cancelled")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv if argv is None else argv
-    folder = pathlib.Path(argv[1])
-    inherited = os.environ.pop("TAAS_HOST_LOCK_FD", None)
-    lock = int(inherited) if inherited else hold_lock(folder)
-    os.set_inheritable(lock, False)
-    signal.signal(signal.SIGTERM, _cancel)
+def main() -> int:
+    """Wait (warm) for a job on the socket the kernel gave (``TAAS_HOST_SOCKET``), then run it
+    to its end.  The socket closing first means the kernel needs no host after all: exit."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is no reason to stop
+    channel = socket.socket(fileno=int(os.environ.pop("TAAS_HOST_SOCKET")))
+    from taas.session import Session
+
+    session = Session()
+    session.warm()  # the start process imports torch while the kernel has no job for us yet
+    try:
+        take, lock = _wait_for_job(channel)
+    except (OSError, EOFError):
+        take = None
+    spare_log = os.environ.pop("TAAS_HOST_LOG", None)
+    if take is None:
+        session.close()
+        if spare_log:
+            with contextlib.suppress(OSError):
+                os.unlink(spare_log)
+        return 0
+    signal.signal(signal.SIGTERM, _cancel)
+    folder = pathlib.Path(take.folder)
+    os.set_inheritable(lock, False)
+    log_fd = os.open(folder / "host.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    if spare_log:
+        with contextlib.suppress(OSError):
+            os.unlink(spare_log)
     store = Store(folder.parent)
     record = store.read(folder.name)
     me = psutil.Process()
@@ -60,29 +86,52 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, pickle.PickleError, EOFError) as exc:
         store.write(record.replace(state=State.FAILED, ended=time.time(),
                                    cause=f"its request could not be read: {exc}"))
+        _tell(channel, Running(record.id, ended=True))
         return 1
     os.unlink(folder / records.REQUEST)
     os.chdir(request.cwd)
     out = LogWriter(folder)
     sink = RecordSink(folder, out, LogWriter(folder, part=records.METRICS))
     try:
-        record = _run(store, record, request, sink)
+        record = _run(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)))
     finally:
         sink.close()  # the whole log is on disk before the record says the job ended
         out.close()
     store.write(record.replace(ended=time.time()))
+    _tell(channel, Running(record.id, ended=True))
+    channel.close()
     return 0
 
 
-def _run(store: Store, record, request: Request, sink: RecordSink):
+def _wait_for_job(channel: socket.socket) -> tuple[Take | None, int]:
+    while True:
+        data, fds, _, _ = socket.recv_fds(channel, 65536, 1)
+        if not data:
+            return None, -1  # the kernel closed its end (or died)
+        message = decode(data)
+        if isinstance(message, Take) and fds:
+            return message, fds[0]
+        for fd in fds:
+            os.close(fd)
+
+
+def _tell(channel: socket.socket, message: Running) -> None:
+    """Tell the kernel that started us, if it still listens (it may be gone: that is the point)."""
+    try:
+        channel.send(encode(message), socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+
+
+def _run(session, store: Store, record, request: Request, sink: RecordSink, running):
+    """The job, to its end, on ``session``; its final record (``running()``: once the ranks run)."""
     from taas.data import registry
     from taas.job import package
     from taas.job.metrics import HISTORY
-    from taas.session import WARN, Session, write_note
+    from taas.session import WARN, write_note
 
     namespace: dict = {}
     registry.set_namespace_source(lambda: namespace)
-    session = Session()
     started = {"done": False}
 
     def on_state(state) -> None:
@@ -91,6 +140,7 @@ def _run(store: Store, record, request: Request, sink: RecordSink):
             stats = session.last
             store.write(record.replace(state=State.RUNNING, ranks=stats.world_size if stats else record.ranks,
                                        device=stats.device if stats else ""))
+            running()
 
     session.on_state = on_state
     HISTORY.observers.append(sink.metrics)

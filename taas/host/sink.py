@@ -83,7 +83,10 @@ class RecordSink:
             if not self._dirty:
                 return
             view, self._dirty = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._view.items()}, False
-        write_view(self.folder, dict(view, at=time.time()))
+            # How many log records this state follows: a viewer that has read a bar's final
+            # record past that knows this view's state of the bar is older (taas.host.client).
+            count = self.log.count
+        write_view(self.folder, dict(view, at=time.time(), n=count))
 
     def close(self) -> None:
         self._stop.set()

@@ -79,6 +79,8 @@ class JobRecord:
 
     @classmethod
     def from_json(cls, data: dict) -> JobRecord:
+        if not isinstance(data, dict):
+            raise TypeError(f"a record is a JSON object, not {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["state"] = State(values["state"])

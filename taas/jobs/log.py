@@ -89,6 +89,7 @@ class LogReader:
         self._segment: str = HEAD
         self._offset = 0
         self._next = 0  # the index of the next record expected
+        self._with_index = False
 
     def _segments(self) -> list[str]:
         try:
@@ -126,7 +127,9 @@ class LogReader:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def read(self) -> list[dict]:
+    def read(self, with_index: bool = False) -> list[dict]:
+        """The records written since the last read (``with_index``: each keeps its ``i``)."""
+        self._with_index = with_index
         out: list[dict] = []
         segments = self._segments()
         if self._segment not in segments:  # fell behind a removed segment: the oldest left
@@ -155,7 +158,7 @@ class LogReader:
     def _take(self, line: bytes, out: list[dict]) -> None:
         try:
             record = json.loads(line)
-            index = int(record.pop("i"))
+            index = int(record["i"] if self._with_index else record.pop("i"))
         except (ValueError, KeyError, TypeError, AttributeError):
             return  # a line that cannot be read (a crash mid-write): skipped
         if index > self._next:

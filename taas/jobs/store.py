@@ -66,14 +66,18 @@ class Store:
                                f"{stat.S_IMODE(info.st_mode):o}); run: chmod 700 {root}")
         return root
 
+    def ensure(self) -> pathlib.Path:
+        """The records' folder, made (0700) if missing; refused if another user's or readable by others."""
+        root = self._checked_root(create=True)
+        assert root is not None
+        return root
+
     def folder(self, job_id: str) -> pathlib.Path:
         return self.root / job_id
 
     def create(self, record: JobRecord) -> pathlib.Path:
         """A new record's folder, with ``record`` in it; the id must be new."""
-        root = self._checked_root(create=True)
-        assert root is not None
-        path = root / record.id
+        path = self.ensure() / record.id
         path.mkdir(mode=0o700)
         (path / api.OUT).mkdir(mode=0o700)
         (path / api.LOCK).touch(mode=0o600)
@@ -97,7 +101,7 @@ class Store:
         except FileNotFoundError:
             raise JobError(f"taas: job {job_id}'s record is missing (its host may be writing it "
                            f"now, or it was removed); `taas forget {job_id}` drops what is left") from None
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise JobError(f"taas: job {job_id}'s record is damaged ({type(exc).__name__}: {exc}); "
                            f"`taas forget {job_id}` removes it") from None
         try:
@@ -149,11 +153,13 @@ class Store:
         path = self.folder(job_id)
         if not _ID.match(job_id) or not path.is_dir():
             raise JobError(f"taas: no job {job_id!r} here; `taas jobs` lists yours")
-        with contextlib.suppress(JobError):
-            record = self.read(job_id)
-            if not record.state.final:
-                raise JobError(f"taas: job {job_id} is {record.state.value}; `taas cancel {job_id}` "
-                               "first, then forget it")
+        try:
+            record: JobRecord | None = self.read(job_id)
+        except JobError:  # a damaged record: forgetting it is how it goes
+            record = None
+        if record is not None and not record.state.final:
+            raise JobError(f"taas: job {job_id} is {record.state.value}; `taas cancel {job_id}` "
+                           "first, then forget it")
         # Renamed away first: a reader never sees half a folder under the job's id.
         gone = path.with_name(f".gone-{job_id}-{os.getpid()}")
         os.rename(path, gone)
@@ -188,7 +194,7 @@ class Store:
             # Read again under the lock: the host may have finished between the two reads.
             try:
                 fresh = JobRecord.from_json(json.loads((self.folder(record.id) / api.RECORD).read_bytes()))
-            except (OSError, ValueError, TypeError, KeyError):
+            except (OSError, ValueError, TypeError, KeyError, AttributeError):
                 fresh = record
             if fresh.state.final:
                 return fresh

@@ -25,7 +25,17 @@ NOTEBOOK = "work/detach.ipynb"
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    return tmp_path_factory.mktemp("taas-home")
+    """The module's TAAS_HOME; at its end, every job still running there (a failed test's) is
+    cancelled, so that no host or rank outlives the tests."""
+    from taas.host import client
+    from taas.jobs.store import Store
+
+    path = tmp_path_factory.mktemp("taas-home")
+    yield path
+    store = Store(path / "jobs")
+    for item in store.listing(prune=False):
+        if not item.problem and not item.record.state.final:
+            client.cancel(store, item.record.id)
 
 
 @pytest.fixture(scope="module")

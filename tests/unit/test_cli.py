@@ -238,9 +238,6 @@ def test_forget_drops_a_finished_job(home, store):
     assert store.ids() == ["def456"]
 
 
-@pytest.mark.xfail(strict=True, reason="taas/jobs/store.py Store.remove raises its 'cancel first' JobError inside "
-                   "`with contextlib.suppress(JobError)`, which swallows it: `taas forget` of a running job "
-                   "removes its record under its live host and says 'forgotten'")
 def test_forget_refuses_a_running_job(home, store, hosts):
     host = hosts(store.create(record("abc123", State.WAITING, ended=None)))
     status, shown = taas(home, "forget", "abc123")

@@ -205,6 +205,7 @@ FLAG_OF_FIELD = {
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
     "config": "--config", "storage": "--storage", "stall": "--stall", "max_restarts": "--max-restarts",
     "cluster": "--cluster", "results_device": "--results-device", "keep": "--keep", "fresh": "--fresh",
+    "detach": "--detach",
 }
 
 
@@ -214,6 +215,13 @@ def test_help_mentions_every_option():
     assert {f.name for f in fields(JobOptions)} == set(FLAG_OF_FIELD)
     for flag in FLAG_OF_FIELD.values():
         assert flag in HELP, flag
+
+
+def test_detach_parses_and_refuses_keep():
+    assert parse_options("--gpus 2 --detach").detach is True
+    assert parse_options("--gpus 2").detach is False
+    with pytest.raises(DirectiveError, match="^--detach with --keep is not supported yet"):
+        parse_options("--detach --keep")
 
 
 def test_help_says_where_results_come_back():

@@ -177,10 +177,6 @@ def test_an_attach_mid_job_shows_what_is_open_now(store, host):
         ("progress", "bar0", "stderr", "55%", True), ("progress", "bar1", "stdout", "3/10", True)], key=str)
 
 
-@pytest.mark.xfail(strict=True, reason="taas/host/client.py Follower.step shows the log's final `p` record, "
-                   "then applies a view.json written before the bar finished (RecordSink flushes the view "
-                   "up to VIEW_EVERY later): _update re-opens the finished bar at a stale state, and "
-                   "finish() prints it a second time as final")
 def test_a_bar_that_finished_after_the_last_view_is_not_reopened(store, host):
     fake = FakeSink()
     follower = Follower(store, JOB, fake)

@@ -196,9 +196,6 @@ def test_a_damaged_record_is_one_line_and_the_others_are_still_listed(store, tex
     assert (store.folder("bad000") / api.RECORD).read_text() == text  # reported, never rewritten
 
 
-@pytest.mark.xfail(strict=True, reason="store.read catches ValueError/TypeError/KeyError only: a record.json "
-                   "holding valid JSON that is not an object (null, a list) raises AttributeError from "
-                   "JobRecord.from_json (data.items()), which escapes read() and listing()")
 @pytest.mark.parametrize("text", ["null", "[1, 2]", '"done"'])
 def test_a_record_that_is_not_a_json_object_is_one_line_too(store, text):
     store.create(record("a1b2c3"))
@@ -299,9 +296,6 @@ def test_remove_of_an_unknown_id_is_one_line(store):
     assert one_line(str(caught.value)) and "no job 'ffffff'" in str(caught.value)
 
 
-@pytest.mark.xfail(strict=True, reason="taas/jobs/store.py Store.remove raises its 'cancel first' JobError "
-                   "inside `with contextlib.suppress(JobError)`, which swallows it: a running job's record "
-                   "is removed under its live host")
 def test_remove_refuses_a_running_job(store, holders):
     folder = store.create(record("a1b2c3", State.RUNNING, ended=None))
     holders(folder)
