@@ -104,6 +104,7 @@ def load_ipython_extension(ipython) -> None:
     session = Session()
     session.warm()  # torch imports in the background while the user writes the next cell
     magics = TaasMagics(ipython, session)
+    magics.warm()  # a job host for the first --detach, warm too (TAAS_WARM_HOST=0: none ahead)
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.insert(0, pragma_transformer)
     ipython.events.register("post_run_cell", session.after_cell)

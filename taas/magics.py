@@ -131,6 +131,19 @@ class TaasMagics(Magics):
         self.session = session
         self.hosts = None  # taas.host.client.Hosts: a warm job host for the next --detach
 
+    def warm(self) -> None:
+        """Start a job host ahead of the first ``--detach`` (unless ``TAAS_WARM_HOST=0``), so that
+        a detached cell starts as fast as an attached one."""
+        from taas.host import client
+        from taas.jobs.store import JobError, Store
+
+        self.hosts = client.Hosts()
+        if os.environ.get("TAAS_WARM_HOST", "1") != "0":
+            try:
+                self.hosts.prewarm(Store())
+            except JobError:  # a records folder we may not use: said when a cell detaches
+                pass
+
     def close(self) -> None:
         """``%unload_ext``: let the warm job host go (a host with a job goes on)."""
         if self.hosts is not None:

@@ -38,8 +38,8 @@ from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogReader, read_view
 from taas.jobs.store import JobError, Store, hold_lock, new_id, write_file
 
-POLL = 0.05  # how often a follower looks at the record and its log (s)
-LATEST = 400  # how many of the latest output records an attach shows before going live
+POLL = 0.02  # how often a follower looks at the record and its log (s)
+LATEST = 64 << 10  # how much of the latest output (bytes of text) an attach shows before going live
 CANCEL_GRACE = 5.0  # the host stops every process within this; then SIGKILL (its guard ends the rest)
 
 
@@ -74,6 +74,7 @@ class Hosts:
         self.store = store
         self._spare: _Spare | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def take(self, store: Store) -> _Spare:
         """A host to give a job to: the warm spare, or a new one (cold) if there is none."""
@@ -85,22 +86,26 @@ class Hosts:
             spare.close()
         return _Spare(store)
 
-    def prewarm(self, store: Store) -> None:
-        """Start the next spare in the background (the next detached cell of a Run All is warm)."""
+    def prewarm(self, store: Store, ranks: int | None = None) -> None:
+        """Start the next spare in the background (the next detached cell of a Run All is warm);
+        ``ranks``: how many processes its first job likely has (the kernel's last job's), to
+        have as many forked ahead."""
         def start() -> None:
             try:
-                spare = _Spare(store)
-            except OSError:  # no spare: the next detached cell starts a host cold, nothing lost
+                spare = _Spare(store, ranks)
+            except (OSError, JobError):  # no spare: the next detached cell starts one cold
                 return
             with self._lock:
-                old, self._spare = self._spare, spare
-            if old is not None:
-                old.close()
+                old, self._spare = self._spare, (None if self._closed else spare)
+            for extra in (old, spare if self._closed else None):
+                if extra is not None:
+                    extra.close()
 
         threading.Thread(target=start, name="taas-spare-host", daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             spare, self._spare = self._spare, None
         if spare is not None:
             spare.close()
@@ -109,7 +114,7 @@ class Hosts:
 class _Spare:
     """A job host started by this kernel, waiting on its socket for a job."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, ranks: int | None = None):
         self.root = store.root
         hosts = store.ensure() / ".hosts"
         hosts.mkdir(mode=0o700, exist_ok=True)
@@ -119,6 +124,8 @@ class _Spare:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             env = dict(os.environ, TAAS_HOST_SOCKET=str(theirs.fileno()), TAAS_HOST_LOG=str(log))
+            if ranks:
+                env["TAAS_READY_HINT"] = str(ranks)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "taas.host"], env=env, stdin=subprocess.DEVNULL, stdout=fd,
                 stderr=subprocess.STDOUT, close_fds=True, pass_fds=(theirs.fileno(),), start_new_session=True)
@@ -185,7 +192,7 @@ def start(store: Store, request: Request, *, ranks: int, where: str, notebook: s
         raise
     finally:
         host.close()
-        hosts.prewarm(store)
+        hosts.prewarm(store, record.ranks or None)
     if record.state is State.WAITING:  # the host ended before it wrote a word
         raise LaunchError(f"taas: the host of job {record.id} could not start: "
                           f"{_tail(folder / 'host.log')}")
@@ -223,10 +230,13 @@ class Follower:
         self.reader = LogReader(self.folder)
         self.metrics = LogReader(self.folder, part=records.METRICS)
         self.on_metrics = on_metrics
-        self.skipped = self.reader.start_near_end(latest) if latest is not None else 0
-        if self.skipped:
-            sink.write("stdout", f"taas: job {job_id}: {self.skipped:,} earlier output records not shown "
-                       f"(`taas logs {job_id}` prints them all)\n")
+        # The latest ``latest`` bytes of output only, then live: an attach shows where the job
+        # is at once, whatever it printed before, and holds no more of the log than that.
+        self.budget = latest
+        # The log's bytes are the text's in JSON records: read some more of them, show ``latest``.
+        if latest is not None and self.reader.start_at_latest_bytes(4 * latest + 4096):
+            sink.write("stdout", f"taas: job {job_id}: earlier output not shown here "
+                       f"(`taas logs {job_id}` prints it all)\n")
         self._view_at = None
         self._shown: dict = {"progress": {}, "panel": None, "live": {}}
         # What ended in the log, and at which record: a view saved before that (its ``n`` not
@@ -234,7 +244,10 @@ class Follower:
         self._ended: dict = {}
 
     def step(self) -> None:
-        for item in self.reader.read(with_index=True):
+        items = self.reader.read(with_index=True)
+        if self.budget is not None:
+            items, self.budget = _latest(items, self.budget), None
+        for item in items:
             self._show(item)
         if self.on_metrics is not None:
             for item in self.metrics.read():
@@ -304,6 +317,25 @@ class Follower:
             key, stream = where.split("\n", 1)
             sink.progress(key, stream, text, True)
         self._shown = {"progress": {}, "panel": None, "live": {}}
+
+
+def _latest(items: list[dict], budget: int) -> list[dict]:
+    """The last ``budget`` bytes of text of ``items`` (whole lines), and every other record."""
+    out: list[dict] = []
+    for item in reversed(items):
+        if item.get("op") != "w":
+            out.append(item)
+            continue
+        if budget <= 0:
+            continue
+        text = item["x"]
+        if len(text) > budget:
+            cut = text.find("\n", len(text) - budget)
+            text = text[cut + 1:] if cut >= 0 else ""
+        budget -= len(text)
+        if text:
+            out.append(dict(item, x=text))
+    return out[::-1]
 
 
 def follow(store: Store, job_id: str, sink, *, latest: int | None = LATEST,

@@ -50,11 +50,17 @@ def main() -> int:
     """Wait (warm) for a job on the socket the kernel gave (``TAAS_HOST_SOCKET``), then run it
     to its end.  The socket closing first means the kernel needs no host after all: exit."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal is no reason to stop
+    if os.environ.get("TAAS_HOST_DEBUG"):  # the host's debug trail, into its host.log
+        logging.basicConfig(level=logging.DEBUG, format="%(asctime)s.%(msecs)03d %(name)s %(message)s",
+                            datefmt="%H:%M:%S")
     channel = socket.socket(fileno=int(os.environ.pop("TAAS_HOST_SOCKET")))
     from taas.session import Session
 
     session = Session()
     session.warm()  # the start process imports torch while the kernel has no job for us yet
+    # What a job's first steps import here (torch, through the GPU count), done ahead too: a
+    # warm host adds no import to the job it is given.
+    session.launcher.cuda_devices()
     try:
         take, lock = _wait_for_job(channel)
     except (OSError, EOFError):
@@ -68,6 +74,7 @@ def main() -> int:
         return 0
     signal.signal(signal.SIGTERM, _cancel)
     folder = pathlib.Path(take.folder)
+    log.debug("took job %s", folder.name)
     os.set_inheritable(lock, False)
     log_fd = os.open(folder / "host.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log_fd, 1)
@@ -87,6 +94,7 @@ def main() -> int:
         store.write(record.replace(state=State.FAILED, ended=time.time(),
                                    cause=f"its request could not be read: {exc}"))
         _tell(channel, Running(record.id, ended=True))
+        session.close()
         return 1
     os.unlink(folder / records.REQUEST)
     os.chdir(request.cwd)
@@ -98,8 +106,10 @@ def main() -> int:
         sink.close()  # the whole log is on disk before the record says the job ended
         out.close()
     store.write(record.replace(ended=time.time()))
+    log.debug("job %s %s", record.id, record.state.value)
     _tell(channel, Running(record.id, ended=True))
     channel.close()
+    session.close()  # after the record: a viewer need not wait for the start process to go
     return 0
 
 
@@ -140,6 +150,7 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
             stats = session.last
             store.write(record.replace(state=State.RUNNING, ranks=stats.world_size if stats else record.ranks,
                                        device=stats.device if stats else ""))
+            log.debug("ranks running")
             running()
 
     session.on_state = on_state
@@ -150,9 +161,11 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
         for name, (prefetch, buffer_mb) in request.loaders.items():
             registry.register(namespace[name], prefetch=prefetch, buffer_mb=buffer_mb)
         options = dataclasses.replace(directive.parse_options(request.options), detach=False)
+        log.debug("running the cell")
         result = session.run_cell(
             request.source, namespace, options, filename=request.filename, first_line=request.first_line,
             sink=sink, name_for=lambda name: request.label if name == request.filename else None)
+        log.debug("the cell ended")
         values, notes = {}, list(result.notes)
         for name, value in result.values.items():
             try:
@@ -186,7 +199,6 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
         return _now(store, record).replace(state=State.FAILED, cause=f"{type(exc).__name__}: {exc}")
     finally:
         HISTORY.observers.remove(sink.metrics)
-        session.close()
 
 
 def _now(store: Store, record):

@@ -119,6 +119,38 @@ class LogReader:
             need -= lines
         return 0
 
+    def start_at_latest_bytes(self, nbytes: int) -> bool:
+        """Skip to the record that holds the log's last ``nbytes`` bytes (reading only about
+        that much); whether anything earlier was skipped.  The first record read may start
+        before that point: the caller trims it."""
+        need = nbytes
+        for name in reversed(self._segments()):
+            try:
+                size = (self.out / name).stat().st_size
+            except FileNotFoundError:
+                continue
+            if size < need and name != HEAD:
+                need -= size
+                continue
+            offset = max(0, size - need)
+            with open(self.out / name, "rb") as file:
+                back = max(0, offset - 65536)  # where the record holding ``offset`` starts
+                while True:
+                    file.seek(back)
+                    window = file.read(offset - back)
+                    cut = window.rfind(b"\n")
+                    if cut >= 0 or back == 0:
+                        start = back + cut + 1 if cut >= 0 else 0
+                        break
+                    back = max(0, back - 65536)
+                file.seek(start)
+                first = self._first_index(file.readline())
+            self._segment, self._offset = name, start
+            if first is not None:
+                self._next = first
+            return first is not None and first > 0
+        return False
+
     @staticmethod
     def _first_index(data: bytes) -> int | None:
         line = data.split(b"\n", 1)[0]

@@ -44,7 +44,8 @@ def workdir(tmp_path_factory):
 
 
 def start_kernel(workdir, home) -> Kernel:
-    return Kernel(str(workdir), env={"TAAS_HOME": str(home), "JPY_SESSION_NAME": NOTEBOOK})
+    # TAAS_WARM_HOST=1: a job host warm ahead of the first --detach, as users get it.
+    return Kernel(str(workdir), env={"TAAS_HOME": str(home), "JPY_SESSION_NAME": NOTEBOOK, "TAAS_WARM_HOST": "1"})
 
 
 @pytest.fixture(scope="module")

@@ -121,8 +121,11 @@ class JupyterLab:
         spec_file = os.path.join(prefix, "share", "jupyter", "kernels", KERNEL_NAME, "kernel.json")
         with open(spec_file) as f:
             spec = json.load(f)
+        # Detached jobs' records in the temp folder; no job host started ahead of a --detach
+        # (as in tests/support/kernel_driver.py).
         spec["env"] = {"PYTHONPATH": REPO_ROOT, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                       "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+                       "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                       "TAAS_HOME": os.path.join(self.tmp, "taas-home"), "TAAS_WARM_HOST": "0"}
         with open(spec_file, "w") as f:
             json.dump(spec, f)
         return os.path.join(prefix, "share", "jupyter")
@@ -372,6 +375,27 @@ class Notebook:
         self.driver.execute_script(
             "window.__taasNotebooks[arguments[0]].content.widgets[arguments[1]].node"
             ".scrollIntoView({block: 'end'});", self.path, index)
+
+    def save(self) -> None:
+        saved = self.driver.execute_async_script(
+            "const [path, done] = [arguments[0], arguments[arguments.length - 1]];"
+            "window.__taasNotebooks[path].context.save().then(() => done(true)).catch((e) => done('error: ' + e));",
+            self.path)
+        assert saved is True, saved
+
+    def reload(self, browser: Browser) -> None:
+        """Save, reload the page (a tab closed and opened again) and open this notebook again:
+        Lab connects it to the same kernel, which may be busy."""
+        self.save()
+        self.driver.refresh()
+        browser.open_lab(self.lab)
+        opened = self.driver.execute_async_script(_OPEN, self.path)
+        assert not str(opened).startswith("error"), opened
+        wait_for(lambda: self.kernel_status() in ("idle", "busy"), START_TIMEOUT, "the kernel connected")
+
+    def cells(self) -> int:
+        return self.driver.execute_script(
+            "return window.__taasNotebooks[arguments[0]].content.model.cells.length;", self.path)
 
     def close(self) -> None:
         """Shut the notebook's kernel down and close it (waiting for the kernel to go)."""

@@ -74,7 +74,10 @@ class Kernel:
             self._ipc_dir = tempfile.mkdtemp(prefix="taas-kipc-")
             self.km.connection_file = os.path.join(self._ipc_dir, "kernel.json")
             self.km.ip = os.path.join(self._ipc_dir, "k")
-        env = with_repo_on_path({**os.environ, **(env or {})})
+        # No job host started ahead of a --detach that these tests' cells never use: each would
+        # import torch once more per kernel (CPU the suite cannot spare on 2 cores).  The
+        # detached-job tests ask for one (tests/kernel/test_detach_kernel.py).
+        env = with_repo_on_path({"TAAS_WARM_HOST": "0", **os.environ, **(env or {})})
         self.km.start_kernel(cwd=cwd, env=env)
         self.kc = self.km.client()
         self.kc.start_channels()

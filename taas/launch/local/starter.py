@@ -80,7 +80,10 @@ class Starter:
         self.jobs: dict[str, _Job] = {}
         self.parent = os.getppid()
         self.ready: dict[int, socket.socket] = {}  # pid -> socket of a child forked ahead
-        self.ready_target = min(os.cpu_count() or 1, 8)  # then: the last job's size
+        # Children to fork ahead: TAAS_READY_HINT (a job host told the size of its kernel's last
+        # job), else one per core up to 8; after a job, that job's size.
+        hint = os.environ.get("TAAS_READY_HINT", "")
+        self.ready_target = min(int(hint), 64) if hint.isdigit() and int(hint) > 0 else min(os.cpu_count() or 1, 8)
         # SIGCHLD wakes the loop at once (set_wakeup_fd), so exits are reported without delay.
         self.wakeup_r, wakeup_w = os.pipe()
         os.set_blocking(self.wakeup_r, False)

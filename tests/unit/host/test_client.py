@@ -254,17 +254,30 @@ def test_a_gap_in_the_log_is_one_note(store):
     assert calls[-1] == ("write", "stdout", f"line {total - 1:04d}\n")
 
 
-@pytest.mark.parametrize("latest", [10, 1])
-def test_starting_near_the_end_says_how_much_is_not_shown(store, host, latest):
-    for n in range(2000):
-        host.write("stdout", f"line {n}\n")
+@pytest.mark.parametrize("latest", [100, 12])
+def test_starting_near_the_end_shows_the_latest_bytes_of_whole_lines(store, host, latest):
+    lines = [f"line {n}\n" for n in range(2000)]
+    for line in lines:
+        host.write("stdout", line)
     fake = FakeSink()
     follower = Follower(store, JOB, fake, latest=latest)
-    assert follower.skipped == 2000 - latest
     follower.step()
-    assert fake.take() == [("write", "stdout", f"taas: job {JOB}: {2000 - latest:,} earlier output records not "
-                            f"shown (`taas logs {JOB}` prints them all)\n")] + [
-        ("write", "stdout", f"line {n}\n") for n in range(2000 - latest, 2000)]
+    calls = fake.take()
+    assert calls[0] == ("write", "stdout", f"taas: job {JOB}: earlier output not shown here "
+                        f"(`taas logs {JOB}` prints it all)\n")
+    shown = "".join(text for _, _, text in calls[1:])
+    assert lines[-1] in shown and shown == "".join(lines)[-len(shown):]  # the end, in order
+    assert len(shown) <= latest < len(shown) + len(lines[0]) + 4  # as many whole lines as fit
+
+
+def test_one_huge_record_is_cut_to_its_latest_whole_lines(store, host):
+    text = "".join(f"line {n}\n" for n in range(5000))
+    host.write("stdout", text)  # one record, as the router writes a burst
+    fake = FakeSink()
+    Follower(store, JOB, fake, latest=1000).step()
+    shown = "".join(call[2] for call in fake.take())
+    assert shown.endswith("line 4999\n") and text.endswith(shown) and len(shown) <= 1000
+    assert shown.startswith("line ")  # a whole line first
 
 
 def test_starting_near_the_end_of_a_short_log_shows_it_all_without_a_note(store, host):
