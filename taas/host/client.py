@@ -273,6 +273,11 @@ class Follower:
             self._shown["live"].pop(item["n"], None)
             self._ended[("live", item["n"])] = item.get("i", 0)
             sink.live(item["n"], item["data"], item["md"], True)
+        elif op == "P":
+            self._ended[("panel", "")] = item.get("i", 0)
+            if hasattr(sink, "panel"):
+                sink.panel(item["data"], item["md"], True)
+            self._shown["panel"] = None
         elif op == "dropped":
             sink.write("stderr", f"taas: {item['n']:,} output records dropped here: the job's log keeps its "
                        f"first and its latest output (TAAS_LOG_CAP)\n")
@@ -291,7 +296,7 @@ class Follower:
                 key, stream = where.split("\n", 1)
                 sink.progress(key, stream, text, False)
                 self._shown["progress"][where] = text
-        panel = view.get("panel")
+        panel = None if self._stale("panel", "", view) else view.get("panel")
         if hasattr(sink, "panel"):
             if panel and panel != self._shown["panel"]:
                 sink.panel(panel["data"], panel["md"], False)

@@ -7,7 +7,8 @@ state only, at most every :data:`VIEW_EVERY` seconds; metrics rows (``m``: rank,
 a log of their own, so a notebook that attaches has every row since the start.
 
 Record ops: ``w`` (stream, text), ``p`` (key, stream, text: a finished bar), ``d`` (data,
-metadata), ``l`` (name, data, metadata: a live display's last frame).
+metadata), ``l`` (name, data, metadata: a live display's last frame), ``P`` (data, metadata:
+the rank panel's last state, the summary it gives way to).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class RecordSink:
         with self._lock:
             self._view["panel"] = None if final else {"data": bundle, "md": metadata}
             self._dirty = True
+        if final:  # what the panel gives way to (a summary line): shown by every viewer
+            self.log.append({"op": "P", "data": bundle, "md": metadata})
 
     # -- metrics (taas.job.metrics.HISTORY's observer) ---------------------------------------
     def metrics(self, job_id: str, rank: int, rows) -> None:

@@ -143,10 +143,14 @@ def test_what_is_shown_in_place_is_its_latest_state_only(store, host):
     follower.step()
     assert fake.take() == [("progress", "bar0", "stderr", "40%", False)]
 
-    host.panel({}, {}, final=True)  # the panel closed: its last state, final
+    # The panel gives way to its summary line (what the board passes as final): every viewer
+    # shows that, once, and a view saved before it never opens the panel again.
+    host.panel({"text/plain": "taas: 2 ranks, done"}, {}, final=True)
+    follower.step()
+    assert fake.take() == [("panel", {"text/plain": "taas: 2 ranks, done"}, {}, True)]
     host.flush()
     follower.step()
-    assert fake.take() == [("panel", {"text/plain": "rank 0: step 2"}, {"w": 1}, True)]
+    assert fake.take() == []
 
     host.live("loss", {"text/plain": "plot 3"}, {}, final=True)  # the live plot's last frame
     host.flush()
