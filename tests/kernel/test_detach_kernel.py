@@ -212,6 +212,40 @@ def test_running_the_same_cell_again_attaches_and_an_interrupt_only_detaches(ker
     kernel.run(f"%taas cancel {other}")
 
 
+def test_a_registered_loader_restarts_and_a_timeout_hold_in_a_detached_job(kernel, home, workdir):
+    # The loader is registered in the notebook, read in the detached cell: its units come from
+    # loader workers of the job host's data plane, every unit once per attempt; rank 1 fails on
+    # the first attempt, the job starts again (--max-restarts 1) under --timeout; what rank 1
+    # writes goes through its storage layer, merged back.
+    assert kernel.run(cell("""
+        import torch, taas
+        from torch.utils.data import DataLoader, TensorDataset
+        units = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=2)
+        taas.register(units)
+        """)).error is None
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --cpus 1 --max-restarts 1 --timeout 300 --detach
+        import os
+        import torch.distributed as dist
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if attempt == 0 and dist.get_rank() == 1:
+            raise RuntimeError("first attempt fails")
+        mine = torch.cat([batch[0] for batch in units])
+        total = mine.sum()
+        dist.all_reduce(total)
+        if dist.get_rank() == 1:
+            open("from-rank1.txt", "w").write("rank 1 was here")
+        (attempt, float(total))
+        """))
+    job = job_of(run) if run.error is None else None
+    attached = kernel.run(f"%taas attach {job}") if job else run
+    assert attached.error is None, attached.traceback + attached.stderr
+    assert attached.result == "(1, 120.0)"  # sum(0..15), once, on the second attempt
+    assert "first attempt fails" in attached.stderr  # the restart's line names the root cause
+    assert (workdir / "from-rank1.txt").read_text() == "rank 1 was here"
+    assert kernel.run("taas.unregister(units)").error is None
+
+
 def test_bad_ids_are_one_line_each(kernel, home):
     for words, expected in (("attach zz", "is not a job id"), ("attach 0123456", "no job '0123456' here"),
                             ("cancel", "takes a job id"), ("forget 01234567", "no job")):
