@@ -129,15 +129,15 @@ class TaasMagics(Magics):
     def __init__(self, shell, session: Session):
         super().__init__(shell)
         self.session = session
-        self.hosts = None  # taas.host.client.Hosts: a warm job host for the next --detach
+        self.hosts = None  # taas.host.spares.Hosts: a warm job host for the next --detach
 
     def warm(self) -> None:
         """Start a job host ahead of the first ``--detach`` (unless ``TAAS_WARM_HOST=0``), so that
         a detached cell starts as fast as an attached one."""
-        from taas.host import client
+        from taas.host.spares import Hosts
         from taas.jobs.store import JobError, Store
 
-        self.hosts = client.Hosts()
+        self.hosts = Hosts()
         if os.environ.get("TAAS_WARM_HOST", "1") != "0":
             try:
                 self.hosts.prewarm(Store())
@@ -205,7 +205,9 @@ class TaasMagics(Magics):
         notebook = os.environ.get("JPY_SESSION_NAME", "")
         whole = f"{line}\n{cell}"
         if self.hosts is None:
-            self.hosts = client.Hosts()
+            from taas.host.spares import Hosts
+
+            self.hosts = Hosts()
         try:
             copy = client.running_copy(store, whole, notebook) if notebook and not options.fresh else None
             if copy is not None:

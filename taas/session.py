@@ -233,12 +233,7 @@ class Session:
         cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
         local_cuda = cuda_devices if launcher is self.launcher else cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices, launcher.where)
-        try:
-            analysis.compile_cell(source, filename, first_line)
-        except SyntaxError as exc:
-            raise failure.syntax_error(exc, name_for) from None
-        cell = analysis.analyse(source)
-        values = package.select(cell.free, namespace, hidden)
+        cell, values = read_cell(source, namespace, filename, first_line, hidden, name_for)
         if kept is not None:  # kept ranks: only what they lack or the notebook changed
             values = {k: v for k, v in values.items() if not kept.holds(k, v)}
         rebound = rebound_loaders(namespace, values)
@@ -374,6 +369,19 @@ class Session:
         from taas.data.plane import DataPlane
 
         return DataPlane.plan(values, options, world, device)
+
+
+def read_cell(source: str, namespace: dict, filename: str, first_line: int, hidden: frozenset = frozenset(),
+              name_for=None):
+    """The cell compiled (a syntax error shown as Python shows it, with the cell's own lines),
+    analysed, and the notebook values it reads: what every job of a cell starts from, here or
+    in a job host (taas.host.client)."""
+    try:
+        analysis.compile_cell(source, filename, first_line)
+    except SyntaxError as exc:
+        raise failure.syntax_error(exc, name_for) from None
+    cell = analysis.analyse(source)
+    return cell, package.select(cell.free, namespace, hidden)
 
 
 # -- what a one-cell job and a kept cell share -------------------------------------------------

@@ -4,8 +4,8 @@ A kernel (:mod:`taas.magics`) and a terminal (:mod:`taas.cli`) use the same call
 reads the host's memory or talks to it but through its record folder and, to cancel, a signal
 to the pid the record names (checked against that process's start time).
 
-    start(...)    the cell's values into a Request, the host started (setsid), its output shown
-                  until the ranks run; the record
+    start(...)    the cell's values into a Request, handed to a job host (spares.py), its
+                  output shown until the ranks run; the record
     follow(...)   the output so far (its latest records, what is shown in place at its latest
                   state), then live, until the job ends or the viewer is interrupted
     take(...)     rank 0's names and Out[] of a finished job, once
@@ -20,11 +20,7 @@ import json
 import os
 import pathlib
 import pickle
-import select
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +28,7 @@ from collections.abc import Callable
 import psutil
 
 from taas.errors import JobFailed, LaunchError, RenderedError
-from taas.host.api import FAILURE, Failure, Request, Returned, Running, Take, decode, encode
+from taas.host.api import FAILURE, Failure, Request, Returned
 from taas.jobs import api as records
 from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogReader, read_view
@@ -65,105 +61,15 @@ def running_copy(store: Store, source: str, notebook: str) -> JobRecord | None:
     return None
 
 
-class Hosts:
-    """This kernel's job hosts that have no job yet: one started ahead of need and kept warm
-    (its Session's start process has torch imported) for the next ``--detach``.  A spare host
-    ends when this kernel does (its socket closes); :meth:`close` ends it sooner."""
-
-    def __init__(self, store: Store | None = None):
-        self.store = store
-        self._spare: _Spare | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def take(self, store: Store) -> _Spare:
-        """A host to give a job to: the warm spare, or a new one (cold) if there is none."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-        if spare is not None and spare.process.poll() is None and spare.root == store.root:
-            return spare
-        if spare is not None:
-            spare.close()
-        return _Spare(store)
-
-    def prewarm(self, store: Store, ranks: int | None = None) -> None:
-        """Start the next spare in the background (the next detached cell of a Run All is warm);
-        ``ranks``: how many processes its first job likely has (the kernel's last job's), to
-        have as many forked ahead."""
-        def start() -> None:
-            try:
-                spare = _Spare(store, ranks)
-            except (OSError, JobError):  # no spare: the next detached cell starts one cold
-                return
-            with self._lock:
-                old, self._spare = self._spare, (None if self._closed else spare)
-            for extra in (old, spare if self._closed else None):
-                if extra is not None:
-                    extra.close()
-
-        threading.Thread(target=start, name="taas-spare-host", daemon=True).start()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.close()
-
-
-class _Spare:
-    """A job host started by this kernel, waiting on its socket for a job."""
-
-    def __init__(self, store: Store, ranks: int | None = None):
-        self.root = store.root
-        hosts = store.ensure() / ".hosts"
-        hosts.mkdir(mode=0o700, exist_ok=True)
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # Its stderr until it has a job (then the record's host.log): a crash of taas itself.
-        log = hosts / f"{os.getpid()}-{time.monotonic_ns()}.log"
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            env = dict(os.environ, TAAS_HOST_SOCKET=str(theirs.fileno()), TAAS_HOST_LOG=str(log))
-            if ranks:
-                env["TAAS_READY_HINT"] = str(ranks)
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "taas.host"], env=env, stdin=subprocess.DEVNULL, stdout=fd,
-                stderr=subprocess.STDOUT, close_fds=True, pass_fds=(theirs.fileno(),), start_new_session=True)
-        finally:
-            os.close(fd)
-            theirs.close()
-        # Reaped when it ends while this process lives; if this process dies first, init reaps it.
-        threading.Thread(target=self.process.wait, name="taas-host", daemon=True).start()
-
-    def give(self, folder: pathlib.Path, lock: int) -> None:
-        socket.send_fds(self.sock, [encode(Take(str(folder)))], [lock])
-
-    def wait(self, timeout: float) -> Running | None:
-        """The host's next word within ``timeout`` s; ``Running(ended=True)`` if it is gone."""
-        ready, _, _ = select.select([self.sock], [], [], timeout)
-        if not ready:
-            return None
-        try:
-            data = self.sock.recv(4096)
-        except OSError:
-            data = b""
-        if not data:
-            return Running("", ended=True)
-        message = decode(data)
-        return message if isinstance(message, Running) else None
-
-    def close(self) -> None:
-        """Let it go: an idle host exits when its socket closes; one with a job goes on."""
-        self.sock.close()
-
-
 def start(store: Store, request: Request, *, ranks: int, where: str, notebook: str, sink,
-          hosts: Hosts | None = None, hashed: str | None = None) -> JobRecord:
+          hosts=None, hashed: str | None = None) -> JobRecord:
     """Start ``request`` under a job host (``hosts``' warm spare, else a new one) and show its
     output until the ranks run; its record then.  A job that ends before (a launch error, a
     failure in the first seconds) raises what an attached cell would; an interrupt meanwhile
     cancels it.  ``hashed``: the text that identifies the cell (its options and body; default:
     the body), for :func:`running_copy`."""
+    from taas.host.spares import Hosts
+
     hosts = hosts or Hosts()
     record = JobRecord(id=_fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
                        started=time.time(), notebook=notebook, first_line=first_code_line(request.source),
@@ -450,7 +356,7 @@ def load(returned: Returned) -> tuple[dict, object, bool, list[str]]:
     return values, out, has_out, notes
 
 
-__all__ = ["Follower", "Hosts", "JobError", "RenderedError", "Request", "Store", "cancel", "follow", "load",
+__all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel", "follow", "load",
            "raise_failure", "running_copy", "start", "take"]
 
 
@@ -459,17 +365,12 @@ def request_for(source: str, namespace: dict, options: str, *, filename: str, la
     """The cell as a host's Request: everything that can refuse it before a host starts fails
     here, as for an attached cell (a syntax error, a value that cannot be shipped)."""
     from taas.data import registry
-    from taas.io import failure
-    from taas.job import analysis, package
+    from taas.job import package
+    from taas.session import read_cell
     from taas.workdir.cwd import working_directory
 
     cwd = working_directory()
-    try:
-        analysis.compile_cell(source, filename, first_line)
-    except SyntaxError as exc:
-        raise failure.syntax_error(exc, name_for) from None
-    cell = analysis.analyse(source)
-    values = package.select(cell.free, namespace, hidden)
+    _, values = read_cell(source, namespace, filename, first_line, hidden, name_for)
     loaders = {}
     for name, value in values.items():
         entry = registry.entry(value)

@@ -13,5 +13,5 @@ kernel; everything a later notebook or a terminal needs to see the job is in its
       results.pkl    rank 0's names and Out[] until a notebook takes them (once)
 
 Pure file operations: no processes are started here, nothing imports IPython or torch.
-May import: taas.errors.
+May import: taas.errors, taas.io (how sizes are written).
 """

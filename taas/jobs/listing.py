@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from taas.io.panel import size
 from taas.jobs.api import Listed, State
 
 
@@ -16,14 +17,6 @@ def duration(seconds: float) -> str:
     if seconds < 86400:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
-
-
-def size(n: int) -> str:
-    for unit in ("B", "K", "M", "G"):
-        if n < 1024 or unit == "G":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def render(items: list[Listed], now: float | None = None) -> str:

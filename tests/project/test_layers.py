@@ -64,7 +64,7 @@ ROOMS: dict[str, set[str]] = {
                      "taas.rank", "taas.supervisor"},
     # Jobs that outlive the kernel: their records on disk (pure file operations), the job host
     # that runs one with a Session of its own (and the viewer's side of it), the terminal face.
-    "taas.jobs": {"taas.errors"},
+    "taas.jobs": {"taas.errors", "taas.io"},
     "taas.host": {"taas.errors", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
                   "taas.directive", "taas.workdir"},
     "taas.cli": {"taas.errors", "taas.host", "taas.jobs"},

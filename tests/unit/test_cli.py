@@ -26,6 +26,7 @@ from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogWriter, write_view
 from taas.jobs.store import Store
 from tests.support.processes import is_alive, wait_for
+from tests.support.jobs import make_record
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect (IPython's dependency) drives the pseudo-terminal")
 
@@ -55,12 +56,7 @@ while True:
 
 
 def record(job_id: str, state: State = State.DONE, **changes) -> JobRecord:
-    values = dict(id=job_id, state=state, ranks=2, where="this machine", started=time.time() - 120,
-                  notebook="train.ipynb", first_line="trainer.fit(model)")
-    if state.final:
-        values["ended"] = values["started"] + 90
-    values.update(changes)
-    return JobRecord(**values)
+    return make_record(job_id, state, age=120, took=90, **changes)
 
 
 @pytest.fixture

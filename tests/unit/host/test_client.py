@@ -23,6 +23,7 @@ from taas.jobs import api
 from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogWriter
 from taas.jobs.store import JobError, Store, hold_lock, write_file
+from tests.support.jobs import make_record
 
 JOB = "a1b2c3"
 
@@ -64,12 +65,7 @@ class WritesOnly:
 
 
 def record(state: State = State.DONE, job_id: str = JOB, **changes) -> JobRecord:
-    values = dict(id=job_id, state=state, ranks=2, where="this machine", started=time.time(),
-                  notebook="train.ipynb", first_line="fit()")
-    if state.final:
-        values["ended"] = values["started"] + 1
-    values.update(changes)
-    return JobRecord(**values)
+    return make_record(job_id, state, **changes)
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ import time
 import pytest
 
 from taas.jobs import api
-from taas.jobs.api import JobRecord, State
+from taas.jobs.api import State
 from taas.jobs.store import JobError, Store, write_file
+from tests.support.jobs import make_record
 
 # A job host's part, and nothing else: hold the record's lock, say so, wait to be killed.
 HOLDER = r"""
@@ -30,13 +31,7 @@ while True:
 """
 
 
-def record(job_id: str, state: State = State.DONE, **changes) -> JobRecord:
-    values = dict(id=job_id, state=state, ranks=2, where="this machine", started=time.time(),
-                  notebook="train.ipynb", first_line="model.fit()")
-    if state.final:
-        values["ended"] = values["started"] + 1
-    values.update(changes)
-    return JobRecord(**values)
+record = make_record
 
 
 @pytest.fixture
