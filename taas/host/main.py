@@ -103,6 +103,8 @@ def main() -> int:
     try:
         record = _run(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)))
     finally:
+        # The job is over: a cancel now must not cut the writing of its end short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sink.close()  # the whole log is on disk before the record says the job ended
         out.close()
     store.write(record.replace(ended=time.time()))
