@@ -129,15 +129,15 @@ class TaasMagics(Magics):
     def __init__(self, shell, session: Session):
         super().__init__(shell)
         self.session = session
-        self.hosts = None  # taas.host.spares.Hosts: a warm job host for the next --detach
+        from taas.host.spares import Hosts
+
+        self.hosts = Hosts()  # a warm job host for the next --detach (none started yet)
 
     def warm(self) -> None:
         """Start a job host ahead of the first ``--detach`` (unless ``TAAS_WARM_HOST=0``), so that
         a detached cell starts as fast as an attached one."""
-        from taas.host.spares import Hosts
         from taas.jobs.store import JobError, Store
 
-        self.hosts = Hosts()
         if os.environ.get("TAAS_WARM_HOST", "1") != "0":
             try:
                 self.hosts.prewarm(Store())
@@ -146,8 +146,7 @@ class TaasMagics(Magics):
 
     def close(self) -> None:
         """``%unload_ext``: let the warm job host go (a host with a job goes on)."""
-        if self.hosts is not None:
-            self.hosts.close()
+        self.hosts.close()
 
     @line_cell_magic
     def taas(self, line: str, cell: str | None = None):
@@ -204,10 +203,6 @@ class TaasMagics(Magics):
         store = Store()
         notebook = os.environ.get("JPY_SESSION_NAME", "")
         whole = f"{line}\n{cell}"
-        if self.hosts is None:
-            from taas.host.spares import Hosts
-
-            self.hosts = Hosts()
         try:
             copy = client.running_copy(store, whole, notebook) if notebook and not options.fresh else None
             if copy is not None:

@@ -29,6 +29,7 @@ import psutil
 
 from taas.errors import JobFailed, LaunchError, RenderedError
 from taas.host.api import FAILURE, Failure, Request, Returned
+from taas.host.spares import Hosts
 from taas.jobs import api as records
 from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogReader, read_view
@@ -68,8 +69,6 @@ def start(store: Store, request: Request, *, ranks: int, where: str, notebook: s
     failure in the first seconds) raises what an attached cell would; an interrupt meanwhile
     cancels it.  ``hashed``: the text that identifies the cell (its options and body; default:
     the body), for :func:`running_copy`."""
-    from taas.host.spares import Hosts
-
     hosts = hosts or Hosts()
     record = JobRecord(id=_fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
                        started=time.time(), notebook=notebook, first_line=first_code_line(request.source),

@@ -26,8 +26,7 @@ class Hosts:
     (its Session's start process has torch imported) for the next ``--detach``.  A spare host
     ends when this kernel does (its socket closes); :meth:`close` ends it sooner."""
 
-    def __init__(self, store: Store | None = None):
-        self.store = store
+    def __init__(self) -> None:
         self._spare: _Spare | None = None
         self._lock = threading.Lock()
         self._closed = False
