@@ -16,12 +16,13 @@ import time
 
 from IPython.core.error import UsageError
 from IPython.core.formatters import DisplayFormatter
+from IPython.core.inputtransformer2 import TransformerManager, leading_empty_lines
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, publish_display_data
 
 from taas import directive
 from taas.errors import DirectiveError, LaunchError, PackagingError, RegistrationError
-from taas.job import package
+from taas.job import package, syntax
 from taas.session import WARN, Session, TerminalSink, write_note
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,40 @@ def pragma_transformer(lines: list[str]) -> list[str]:
     """``input_transformers_cleanup`` hook: ``#pragma taas`` cells become ``%%taas`` cells."""
     try:
         return directive.pragma_transformer(lines)
+    except DirectiveError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _keeping_lines(transform: type) -> type:
+    """IPython's token transform ``transform``, with the lines it joins (a ``\\`` continued
+    ``!cmd``) replaced by blank ones, so that every line after keeps its number."""
+    class Keeping(transform):
+        def transform(self, lines: list[str]) -> list[str]:
+            out = super().transform(lines)
+            row = self.start_line + 1
+            return out[:row] + ["\n"] * (len(lines) - len(out)) + out[row:]
+    Keeping.__name__ = transform.__name__
+    return Keeping
+
+
+class _CellBody(TransformerManager):
+    """IPython's own transformers, less what would move the body's lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cleanup_transforms = [t for t in self.cleanup_transforms if t is not leading_empty_lines]
+        self.token_transformers = [_keeping_lines(t) for t in self.token_transformers]
+
+
+def translate(cell: str, first_line: int = 2) -> str:
+    """A taas cell's body as its ranks run it: ``%run``, ``!cmd``, ``x = !cmd`` ... as IPython
+    turns them into calls, line for line, routed to the rank's shell (taas.job.syntax); the body
+    itself when it has no IPython syntax.  A magic with no meaning in a rank is a UsageError."""
+    source = _CellBody().transform_cell(cell)
+    if source.rstrip("\n") == cell.rstrip("\n"):
+        source = cell  # (``get_ipython().system(...)`` written out is routed too, as IPython runs it)
+    try:
+        return syntax.route(source, first_line)
     except DirectiveError as exc:
         raise UsageError(str(exc)) from None
 
@@ -160,15 +195,16 @@ class TaasMagics(Magics):
         except DirectiveError as exc:
             raise UsageError(str(exc)) from None
         log.debug("parsed options: %s", options)
+        source = translate(cell)  # IPython syntax in the body (before anything starts)
         # Register the whole cell with IPython so tracebacks say "Cell In[7], line 4".
         filename = shell.compile.cache(f"%%taas {line}\n{cell}", number)
         sink = self._sink()
         if options.detach:
-            return self._detach(line, cell, options, filename, sink)
+            return self._detach(line, cell, source, options, filename, sink)
         try:
             result = self.session.run_cell(
-                cell, shell.user_ns, options, filename=filename, first_line=2, sink=sink,
-                hidden=frozenset(shell.user_ns_hidden), name_for=self._name_for,
+                source, shell.user_ns, options, filename=filename, first_line=2, sink=sink,
+                hidden=frozenset(shell.user_ns_hidden), name_for=self._name_for, text=cell,
             )
         except _BEFORE_LAUNCH as exc:
             log.debug("refused before launch: %s: %s", type(exc).__name__, exc)
@@ -190,7 +226,7 @@ class TaasMagics(Magics):
         return NotebookSink(bool(getattr(kernel, "_allow_stdin", False))) if kernel is not None else None
 
     # -- jobs that outlive the kernel (--detach; taas.host) ------------------------------------
-    def _detach(self, line: str, cell: str, options, filename: str, sink):
+    def _detach(self, line: str, cell: str, source: str, options, filename: str, sink):
         """``--detach``: the cell's job under a host of its own; this cell shows it until its
         ranks run, then returns with one line naming it.  The same cell of the same notebook
         whose job still runs is attached to instead (``--fresh``: a new job)."""
@@ -210,7 +246,7 @@ class TaasMagics(Magics):
                       f"{time.strftime('%H:%M', time.localtime(copy.started))}): attaching to it "
                       "(--fresh starts a new one)")
                 return self._attach(copy.id, store)
-            request = client.request_for(cell, self.shell.user_ns, line, filename=filename,
+            request = client.request_for(source, self.shell.user_ns, line, filename=filename, text=cell,
                                          label=self._name_for(filename), first_line=2,
                                          hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for)
             record = client.start(store, request, ranks=options.gpus or 0, where="this machine",

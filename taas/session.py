@@ -182,9 +182,10 @@ class Session:
 
     def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
                   filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
-                  hidden: frozenset = frozenset(), name_for=None) -> CellResult:
+                  hidden: frozenset = frozenset(), name_for=None, text: str | None = None) -> CellResult:
         """Where the cell runs, the Job it becomes (:meth:`_job`), then that job's run
-        (:meth:`_run`)."""
+        (:meth:`_run`).  ``text``: the cell as typed when ``source`` is IPython's translation
+        of its syntax (taas.job.syntax), for tracebacks."""
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
@@ -203,7 +204,7 @@ class Session:
         if kept is not None and options.gpus is None:  # no --gpus: the kept world
             options = dataclasses.replace(options, gpus=kept.world.size)
         job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
-                                    options, sink, hidden, name_for, kept=kept, keep=keep)
+                                    options, sink, hidden, name_for, kept=kept, keep=keep, text=text)
         self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
                              loaders=sorted(i.name for i in plane.loaders) if plane else [],
                              config=options.config, cluster=address)
@@ -218,12 +219,13 @@ class Session:
                            f"{was.backend}): {gone.reason}, so their state is lost; this cell starts "
                            "fresh ranks\n")
                 return self._run_cell(source, namespace, options, filename=filename, first_line=first_line,
-                                      sink=sink, hidden=hidden, name_for=name_for)
+                                      sink=sink, hidden=hidden, name_for=name_for, text=text)
         return self._run(launcher, job, plane, big, self.last, sink, name_for)
 
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
              options: directive.JobOptions, sink: Sink, hidden: frozenset,
-             name_for, kept: Kept | None = None, keep: bool = False) -> tuple[Job, DataPlane | None, BigValues]:
+             name_for, kept: Kept | None = None, keep: bool = False,
+             text: str | None = None) -> tuple[Job, DataPlane | None, BigValues]:
         """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
         arrays went out through (the caller closes them).  Everything that can fail before
         launch fails here: a syntax error, a value that cannot be shipped, more processes than
@@ -269,7 +271,8 @@ class Session:
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device, backend=backend,
                 pg_timeout=float(options.timeout or 1800), results=options.results,
-                results_to_cpu=results.results_to_cpu(options.results_device, local_cuda)),
+                results_to_cpu=results.results_to_cpu(options.results_device, local_cuda),
+                text=text if text != source else None),
             world=World(world, device, backend),
             policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
                           stall=options.stall, storage=options.storage,

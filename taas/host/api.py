@@ -27,6 +27,7 @@ class Request:
     first_line: int  # the body's first line number in that file
     cwd: str  # the notebook's working directory
     loaders: dict = field(default_factory=dict)  # name -> (prefetch, buffer_mb): registered loaders
+    text: str | None = None  # the cell as typed, when ``source`` is IPython's translation of it
 
 
 @dataclass(frozen=True)

@@ -360,7 +360,8 @@ __all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel"
 
 
 def request_for(source: str, namespace: dict, options: str, *, filename: str, label: str | None,
-                first_line: int, hidden: frozenset = frozenset(), name_for=None) -> Request:
+                first_line: int, hidden: frozenset = frozenset(), name_for=None,
+                text: str | None = None) -> Request:
     """The cell as a host's Request: everything that can refuse it before a host starts fails
     here, as for an attached cell (a syntax error, a value that cannot be shipped)."""
     from taas.data import registry
@@ -376,4 +377,4 @@ def request_for(source: str, namespace: dict, options: str, *, filename: str, la
         if entry is not None:
             loaders[name] = (entry.prefetch, entry.buffer_mb)
     return Request(source=source, options=options, names=package.ship(values), filename=filename,
-                   label=label, first_line=first_line, cwd=cwd, loaders=loaders)
+                   label=label, first_line=first_line, cwd=cwd, loaders=loaders, text=text)

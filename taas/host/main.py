@@ -166,7 +166,8 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
         log.debug("running the cell")
         result = session.run_cell(
             request.source, namespace, options, filename=request.filename, first_line=request.first_line,
-            sink=sink, name_for=lambda name: request.label if name == request.filename else None)
+            sink=sink, name_for=lambda name: request.label if name == request.filename else None,
+            text=request.text)
         log.debug("the cell ended")
         values, notes = {}, list(result.notes)
         for name, value in result.values.items():

@@ -21,6 +21,8 @@ import types
 import typing
 from dataclasses import dataclass
 
+from taas.job import syntax
+
 __all__ = ["CellAnalysis", "analyse", "compile_cell"]
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
@@ -38,6 +40,8 @@ class CellAnalysis:
 def analyse(source: str) -> CellAnalysis:
     """Analyse a cell's source. A SyntaxError propagates unchanged."""
     tree = ast.parse(source)
+    if syntax.SHELL in source:  # IPython syntax, routed to the rank's shell: what it reads and binds
+        tree = syntax.unfold(tree)
     walker = _Walker()
     walker.block(tree.body, set(), top=True)
     order = sorted(walker.first, key=walker.first.__getitem__)

@@ -75,6 +75,9 @@ class Payload:
     # Chosen in the kernel when the payload is built, not by the caller (see above).
     display_formatter: str | None = field(default_factory=lambda: _display_formatter)
     log_level: int | None = field(default_factory=_rank_log_level)
+    # The cell as typed, when ``source`` is IPython's translation of it (taas.job.syntax):
+    # what tracebacks show for the cell's lines.  None: ``source`` itself.
+    text: str | None = None
 
 
 def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | frozenset = frozenset()) -> dict:

@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 import sys
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from taas.job import crossing, devices
 from taas.job.memory import returns as shared_returns
 from taas.job.memory.channel import ResultChannel, channel_from
 
-__all__ = ["CellResult", "ResultChannel", "Results", "channel_from", "collect", "decode", "encode", "load",
+__all__ = ["Before", "CellResult", "ResultChannel", "Results", "channel_from", "collect", "decode", "encode", "load",
            "results_to_cpu"]
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,54 @@ def results_to_cpu(results_device: str, kernel_cuda: int) -> bool:
 
 
 # -- rank 0 ------------------------------------------------------------------------------------
+class _Held:
+    """A value held by reference, for one that takes no weak reference (numbers, strings,
+    builtin containers): the same interface as a weakref."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self):
+        return self.value
+
+
+class Before:
+    """Rank 0's top-level names before its cell: afterwards, :meth:`bound` says which names the
+    cell bound, however it bound them (an assignment, ``exec``, ``%run``, ``globals()[...] =``,
+    ``from m import *``): those that are new or refer to another object than before (identity,
+    not equality, so a mutated value the cell only read is not among them).
+
+    Values are held by weak reference where they take one, so a value the cell rebinds is freed
+    when the cell drops it, as it would be without taas; the others (numbers, strings, builtin
+    containers) by reference, since an id alone may be reused by a new object."""
+
+    def __init__(self, namespace: Mapping):
+        self._held: dict[str, object] = {}
+        for name, value in namespace.items():
+            try:
+                self._held[name] = weakref.ref(value)
+            except TypeError:
+                self._held[name] = _Held(value)
+
+    def changed(self, name: str, value) -> bool:
+        held = self._held.get(name)
+        if held is None:
+            return True
+        old = held()  # type: ignore[operator]
+        return old is not value or (old is None and isinstance(held, weakref.ref))
+
+    def bound(self, namespace: Mapping, static: Iterable[str] = ()) -> list[str]:
+        """The names to bring back: ``static`` (what the analysis saw the cell bind, as before)
+        still in ``namespace``, then every other name the cell bound at run time; dunders never."""
+        names = [name for name in static if name in namespace and not name.startswith("__")]
+        seen = set(names)
+        names += [name for name, value in namespace.items()
+                  if name not in seen and not name.startswith("__") and self.changed(name, value)]
+        return names
+
+
 def collect(namespace: Mapping, bound: Iterable[str], out, *, to_cpu: bool,
             channel: int | None = None) -> Results:
     """The cell's top-level names ``bound`` (those ``namespace`` still holds; dunders never)

@@ -47,12 +47,13 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
     try:
         _open_views(payload, namespace)  # waits for the first slice, as a one-cell rank does
         heartbeat.running()
+        before = results.Before(namespace) if rank == 0 and payload.results else None
         out = run_cell(payload, namespace)
         comm.report()
-        if rank == 0 and payload.results:
+        if before is not None:
             # The kernel reads big storages out of this process, on the channel the kept ranks
             # got with their first cell (it lives as long as they do: taas.supervisor.kept).
-            data = results.encode(results.collect(namespace, payload.bound, out,
+            data = results.encode(results.collect(namespace, before.bound(namespace, payload.bound), out,
                                                   to_cpu=payload.results_to_cpu,
                                                   channel=results.channel_from(os.environ)))
             if result is None:

@@ -36,7 +36,7 @@ from taas.job.analysis import compile_cell
 from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
 from taas.launch.process import cells, events, report, stacks
-from taas.rank import comm, display, heartbeat, keep, metrics, nccl, patches
+from taas.rank import comm, display, heartbeat, keep, metrics, nccl, patches, shell
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +79,16 @@ def main(spec) -> int:
             return code
         _install_data_views(payload, namespace)
         heartbeat.running()
+        before = results.Before(namespace) if rank == 0 and payload.results else None
         out = _run_cell(payload, namespace)
         comm.report()
         log.debug("cell done on rank %d", rank)
-        if rank == 0 and payload.results:
+        if before is not None:  # rank 0: every name the cell bound, however (results.Before)
             # The kernel reads big storages out of this process, asked on the job's channel
             # (one machine), before rank 0 goes on.
             report.write_result(job_dir, results.encode(
-                results.collect(namespace, payload.bound, out, to_cpu=payload.results_to_cpu,
-                                channel=results.channel_from(os.environ))))
+                results.collect(namespace, before.bound(namespace, payload.bound), out,
+                                to_cpu=payload.results_to_cpu, channel=results.channel_from(os.environ))))
         _teardown(done=True)
         return 0
     except SystemExit as exc:
@@ -170,12 +171,14 @@ def _install_data_views(payload: Payload, namespace: dict) -> None:
 
 
 def _run_cell(payload: Payload, namespace: dict):
+    text = payload.text or payload.source  # tracebacks show the cell as typed (`%run ...`)
     linecache.cache[payload.filename] = (
-        len(payload.source),
+        len(text),
         None,
-        ["\n"] * (payload.first_line - 1) + payload.source.splitlines(keepends=True),
+        ["\n"] * (payload.first_line - 1) + text.splitlines(keepends=True),
         payload.filename,
     )
+    shell.install(namespace)  # what the cell's IPython syntax calls (taas.job.syntax.route)
     body, last = compile_cell(payload.source, payload.filename, payload.first_line)
     try:
         exec(body, namespace)

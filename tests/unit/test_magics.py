@@ -51,3 +51,38 @@ def test_cell_number_is_the_running_cells_prompt(shell):
     assert shell.user_ns["seen"] == result.execution_count
     # Outside any cell, the shell's own count.
     assert cell_number(shell) == shell.execution_count
+
+
+def test_ipython_syntax_in_the_body_reaches_the_session_translated_with_the_cell_as_typed(shell):
+    recorder = _Recorder()
+    recorder.run_cell = lambda source, namespace, options, **kwargs: (
+        recorder.calls.append(dict(kwargs, source=source)) or CellResult())
+    shell.register_magics(TaasMagics(shell, recorder))
+    body = "x = 1\n%run train.py --steps=3\nfiles = !ls\n!echo a \\\n  b\nlast = 2"
+    result = shell.run_cell(f"%%taas --gpus 2\n{body}", store_history=True)
+    assert result.error_in_exec is None, result
+    call = recorder.calls[-1]
+    assert call["text"].rstrip("\n") == body
+    lines = call["source"].splitlines()
+    # line for line: the continued `!echo` leaves a blank line, so `last` keeps its number
+    assert len(lines) == 6 and lines[5] == "last = 2" and lines[4] == ""
+    assert lines[1] == "__taas_shell__.run_line_magic('run', 'train.py --steps=3')"
+
+
+@pytest.mark.parametrize("body, leading", [("x = 1\n%matplotlib inline", "%matplotlib (line 3)"),
+                                           ("%%bash\nls", "%%bash (line 2)")])
+def test_a_magic_with_no_meaning_in_a_rank_is_a_usage_error_before_anything_starts(shell, body, leading):
+    from IPython.core.error import UsageError
+
+    recorder = _Recorder()
+    shell.register_magics(TaasMagics(shell, recorder))
+    with pytest.raises(UsageError, match=rf"^{leading}"):
+        shell.run_cell_magic("taas", "--gpus 2", body)
+    assert recorder.calls == []
+
+
+def test_a_body_without_ipython_syntax_is_handed_over_as_typed():
+    from taas.magics import translate
+
+    body = "\n\nimport torch\nprint(get_ipython())\n"  # leading blank lines keep the numbering
+    assert translate(body) == body

@@ -137,3 +137,46 @@ def test_bytes_that_are_not_results_cost_the_names_not_the_job(data, what):
     got = results.load(results.decode(data))
     assert got.values == {} and not got.has_out
     assert got.notes == (f"taas: nothing was brought back: rank 0's results could not be read ({what})",)
+
+
+# -- which names come back: what the analysis saw, and every name bound at run time -----------
+class Plain:
+    pass
+
+
+def test_every_name_the_cell_bound_comes_back_however_bound_and_read_names_do_not():
+    read, rebound, mutated = torch.zeros(2), Plain(), [1]
+    namespace = {"__name__": "__main__", "Plain": Plain, "read": read, "rebound": rebound,
+                 "mutated": mutated, "n": 5, "same": "x"}
+    before = results.Before(namespace)
+    exec("exec('by_exec = 1')\nglobals()['by_globals'] = 2\nfrom os.path import join\n"
+         "rebound = Plain()\nmutated.append(2)\nread.add_(1)\nn = n + 1\n__dunder__ = 3\n"
+         "same = 'x'", namespace)
+    # "same" is bound by the cell as the analysis saw (the same object: it comes back all the
+    # same); "gone" was deleted; read and mutated in place: not brought back.
+    assert before.bound(namespace, static=["same", "gone"]) == [
+        "same", "rebound", "n", "by_exec", "by_globals", "join"]
+
+
+def test_a_value_freed_and_its_address_reused_still_counts_as_rebound():
+    namespace = {"x": [1], "t": Plain()}
+    before = results.Before(namespace)
+    del namespace["x"], namespace["t"]
+    namespace["x"], namespace["t"] = [2], Plain()  # may well sit where the old ones did
+    assert before.bound(namespace) == ["x", "t"]
+    kept = {"t": None}
+    assert results.Before(kept).bound(kept) == []  # None is held, not weakly: unchanged
+
+
+def test_before_holds_no_strong_reference_to_what_takes_a_weak_one():
+    import gc
+    import weakref
+
+    value = Plain()
+    probe = weakref.ref(value)
+    namespace = {"v": value}
+    before = results.Before(namespace)
+    del value
+    namespace["v"] = 1
+    gc.collect()
+    assert probe() is None and before.bound(namespace) == ["v"]
