@@ -3,6 +3,8 @@ the magic hands the session, without starting a job."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from taas.job.results import CellResult
@@ -76,7 +78,7 @@ def test_a_magic_with_no_meaning_in_a_rank_is_a_usage_error_before_anything_star
 
     recorder = _Recorder()
     shell.register_magics(TaasMagics(shell, recorder))
-    with pytest.raises(UsageError, match=rf"^{leading}"):
+    with pytest.raises(UsageError, match="^" + re.escape(leading)):
         shell.run_cell_magic("taas", "--gpus 2", body)
     assert recorder.calls == []
 
