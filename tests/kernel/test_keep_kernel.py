@@ -311,3 +311,20 @@ def test_kept_cells_feed_taas_metrics_and_the_plot_as_one_cell_jobs_do(kernel, c
                 (rank, k, i + k) for rank in (0, 1) for k in range(3)), got
     finally:
         ok(kernel.run("%taas release"))
+
+
+def test_kept_ranks_bring_back_only_the_names_a_cell_bound(kernel, clean, workdir):
+    # Names no assignment shows (exec, %run) come back; on kept ranks a later cell brings back
+    # only what it bound: the ranks' older names stay out of the notebook's way.
+    (workdir / "kept_script.py").write_text("from_script = [1]\nshared = 'script'\n")
+    ok(kernel.run(cell("""
+        %%taas --gpus 2 --keep
+        exec("early = 1")
+        %run kept_script.py
+        """)))
+    assert ok(kernel.run("print(early, from_script, shared)")).stdout.strip() == "1 [1] script"
+    ok(kernel.run("early, from_script, shared = 'notebook', 'notebook', 'notebook'"))
+    ok(kernel.run("%%taas\nexec('late = early + 1')\nglobals()['shared'] = 'cell 2'"))
+    shown = ok(kernel.run("print(late, early, from_script, shared)")).stdout.strip()
+    assert shown == "2 notebook notebook cell 2", shown
+    ok(kernel.run("%taas release"))

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.support.kernel_driver import OFFLINE, cell, plain
+from tests.support.kernel_driver import OFFLINE, cell, one_line_usage_error, plain
 from tests.support.notebooks import tiny_bert_notebook
 from tests.support.ranks import per_rank
 
@@ -249,3 +249,50 @@ def test_a_rank_that_leaves_early_is_named_and_nothing_hangs(kernel, clean, leav
     tb = plain(run.traceback)
     assert expected in tb, tb
     assert "--timeout" not in tb and "rank0: stopped after rank1 exited" in tb, tb
+
+
+# -- IPython syntax in a taas cell, and every name rank 0 binds (issue 23) ------------------------
+SCRIPT = """\
+import sys
+import torch.distributed as dist
+print("script", __name__, sys.argv[1:], "rank", dist.get_rank())
+steps = int(sys.argv[1].split("=")[1])
+class Run:
+    pass
+run = Run()
+run.steps = steps
+"""
+
+
+def test_run_bang_and_names_bound_any_way_come_back(kernel, clean, workdir):
+    (workdir / "tiny_script.py").write_text(SCRIPT)
+    (workdir / "broken_script.py").write_text("x = 1\nraise ValueError('from the script')\n")
+    kernel.run("tag = 'v1'\nread_only = [1, 2]")
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        %run tiny_script.py --steps=3 --tag={tag}
+        files = !ls *_script.py
+        !echo shell says $RANK in $PWD
+        exec("by_exec = steps * 2")
+        globals()["by_globals"] = len(read_only)
+        from os.path import *
+        """))
+    assert run.error is None, run.traceback
+    out = per_rank(run.stdout)
+    for rank in (0, 1):
+        assert f"[rank{rank}] script __main__ ['--steps=3', '--tag=v1'] rank {rank}" in out, out
+        assert f"[rank{rank}] shell says {rank} in {workdir}" in out, out
+    names = kernel.run("print(steps, run.steps, type(run).__name__, files, by_exec, by_globals, "
+                       "join('a', 'b'), type(files).__name__, tag, read_only)")
+    assert names.stdout.strip() == ("3 3 Run ['broken_script.py', 'tiny_script.py'] 6 2 a/b SList "
+                                    "v1 [1, 2]"), names.stdout + names.stderr
+    failed = kernel.run("%%taas --gpus 2\n\n%run broken_script.py")
+    tb = plain(failed.traceback)
+    assert "line 3" in tb and "%run broken_script.py" in tb, tb  # the cell's line, as typed
+    assert "broken_script.py" in tb and "raise ValueError('from the script')" in tb, tb
+
+
+def test_a_magic_with_no_meaning_in_a_rank_is_one_line_before_anything_starts(kernel):
+    for body, named in (("x = 1\n%matplotlib inline", "%matplotlib (line 3)"), ("%%bash\nls", "%%bash (line 2)")):
+        run = kernel.run(f"%%taas --gpus 2\n{body}")
+        assert one_line_usage_error(run).startswith(f"UsageError: {named}"), run.stderr
