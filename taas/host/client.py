@@ -71,7 +71,8 @@ def start(store: Store, request: Request, *, ranks: int, where: str, notebook: s
     the body), for :func:`running_copy`."""
     hosts = hosts or Hosts()
     record = JobRecord(id=_fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
-                       started=time.time(), notebook=notebook, first_line=first_code_line(request.source),
+                       started=time.time(), notebook=notebook,
+                       first_line=first_code_line(request.text or request.source),
                        source_hash=source_hash(hashed or request.source), cwd=request.cwd)
     folder = store.create(record)
     write_file(folder / records.REQUEST, pickle.dumps(request))

@@ -47,6 +47,8 @@ def install(namespace: dict) -> None:
     namespace[syntax.SHELL] = RankShell(namespace)
 
 
+# A module's own names, which a script's namespace starts with: they stay the script's.
+_MODULE_NAMES = frozenset(vars(types.ModuleType("m"))) | {"__file__", "__builtins__"}
 _SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"  # as IPython's system
 
 
@@ -93,12 +95,12 @@ class RankShell:
         module = types.ModuleType(name)
         namespace = self.user_ns if args.interactive else module.__dict__
         saved_file = namespace.get("__file__")
-        namespace.update(__file__=filename, __builtins__=builtins)
-        if not args.interactive:
-            namespace["__name__"] = name
-        saved = sys.argv, sys.modules.get("__main__"), list(sys.path)
+        namespace.update(__file__=os.path.abspath(filename), __builtins__=builtins)
+        saved = sys.argv, sys.modules.get("__main__")
         sys.argv = [filename, *argv]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(filename)))  # as `python script.py`
+        folder = os.path.dirname(os.path.abspath(filename))
+        if folder not in sys.path:  # as `python script.py`: its folder first, for the process's life
+            sys.path.insert(0, folder)
         if name == "__main__" and not args.interactive:
             sys.modules["__main__"] = module  # pickle finds the script's classes as __main__'s
         try:
@@ -113,12 +115,10 @@ class RankShell:
             sys.argv = saved[0]
             if saved[1] is not None:
                 sys.modules["__main__"] = saved[1]
-            sys.path[:] = saved[2]
             if args.interactive:
                 _restore(namespace, "__file__", saved_file)
-        if not args.interactive:
-            names = {k: v for k, v in namespace.items() if k not in ("__name__", "__file__", "__builtins__")}
-            self.user_ns.update(names)
+        if not args.interactive:  # the script's names land in the cell's namespace, as IPython's %run
+            self.user_ns.update({k: v for k, v in namespace.items() if k not in _MODULE_NAMES})
 
     def _magic_time(self, line: str, frame):
         glob_ns, local_ns = self.user_ns, _locals(frame)
@@ -129,14 +129,12 @@ class RankShell:
         code = (compile(ast.Expression(tree.body[0].value), source, "eval") if expression  # type: ignore[attr-defined]
                 else compile(tree, source, "exec"))
         cpu, wall = os.times(), time.perf_counter()
-        try:
-            value = eval(code, glob_ns, local_ns) if expression else exec(code, glob_ns, local_ns)
-        finally:
-            wall = time.perf_counter() - wall
-            end = os.times()
-            user, system = end.user - cpu.user, end.system - cpu.system
-            print(f"CPU times: user {syntax.format_time(user)}, sys: {syntax.format_time(system)}, "
-                  f"total: {syntax.format_time(user + system)}\nWall time: {syntax.format_time(wall)}")
+        value = eval(code, glob_ns, local_ns) if expression else exec(code, glob_ns, local_ns)
+        wall = time.perf_counter() - wall
+        end = os.times()
+        user, system = end.user - cpu.user, end.system - cpu.system
+        print(f"CPU times: user {syntax.format_time(user)}, sys: {syntax.format_time(system)}, "
+              f"total: {syntax.format_time(user + system)}\nWall time: {syntax.format_time(wall)}")
         return value
 
     def _magic_timeit(self, line: str, frame):

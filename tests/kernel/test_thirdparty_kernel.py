@@ -261,6 +261,7 @@ class Run:
     pass
 run = Run()
 run.steps = steps
+dist.destroy_process_group()  # as nanoGPT's train.py ends
 """
 
 

@@ -18,6 +18,7 @@ import sys
 seen_argv = list(sys.argv)
 seen_name = __name__
 seen_path = sys.path[0]
+seen_file = __file__
 class Config:
     pass
 config = Config()
@@ -31,6 +32,7 @@ if __name__ == "__main__":
 def cell(tmp_path, monkeypatch):
     """Run a cell body here as a rank does: translated, the shell installed, exec'd."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # %run puts a script's folder there
     namespace = {"__name__": "__main__", "__builtins__": builtins}
 
     def run(body: str, **names):
@@ -47,8 +49,10 @@ def test_run_is_python_script_args(cell, tmp_path):
     ns = cell("%run train.py --steps={n} extra", n=3)
     assert ns["seen_argv"] == ["train.py", "--steps=3", "extra"] and ns["seen_name"] == "__main__"
     assert ns["seen_path"] == str(tmp_path) and ns["main_ran"] and ns["steps"] == 3
+    assert ns["seen_file"] == str(tmp_path / "train.py")
     assert type(ns["config"]).__module__ == "__main__"  # pickled by value, as a script's class
-    assert sys.argv == argv and sys.path == path and "__file__" not in ns  # all as before
+    assert sys.argv == argv and "__file__" not in ns and "__spec__" not in ns  # the script's own
+    assert sys.path == [str(tmp_path), *path]  # as in `python train.py`: for the process's life
 
 
 def test_run_without_py_with_n_and_i(cell, tmp_path):
