@@ -71,6 +71,22 @@ def test_ipython_syntax_in_the_body_reaches_the_session_translated_with_the_cell
     assert lines[1] == "__taas_shell__.run_line_magic('run', 'train.py --steps=3')"
 
 
+def test_a_pragma_cells_body_is_translated_too(shell):
+    from taas.magics import pragma_transformer
+
+    recorder = _Recorder()
+    recorder.run_cell = lambda source, namespace, options, **kwargs: (
+        recorder.calls.append(dict(kwargs, source=source)) or CellResult())
+    shell.register_magics(TaasMagics(shell, recorder))
+    shell.input_transformers_cleanup.insert(0, pragma_transformer)
+    try:
+        result = shell.run_cell("#pragma taas --gpus 2\nhere = !pwd", store_history=True)
+    finally:
+        shell.input_transformers_cleanup.remove(pragma_transformer)
+    assert result.error_in_exec is None and result.error_before_exec is None, result
+    assert recorder.calls[-1]["source"].splitlines() == ["here = __taas_shell__.getoutput('pwd')"]
+
+
 @pytest.mark.parametrize("body, leading", [("x = 1\n%matplotlib inline", "%matplotlib (line 3)"),
                                            ("%%bash\nls", "%%bash (line 2)")])
 def test_a_magic_with_no_meaning_in_a_rank_is_a_usage_error_before_anything_starts(shell, body, leading):
