@@ -10,7 +10,10 @@ comprehension bodies are resolved with :mod:`symtable`: whatever such a scope do
 itself (or take from an enclosing function) is a module-level read, counted at the point of
 definition, since we cannot know when the body will run. ``free`` is deliberately
 over-inclusive (builtins such as ``print`` appear): the caller intersects it with the notebook
-namespace. ``bound`` lists every module-level name the cell may bind, for the results back.
+namespace. ``bound`` lists every module-level name the cell may bind, for the results back
+(rank 0 adds the names it finds bound at run time: ``exec``, ``%run``, ``globals()[...]``,
+:class:`taas.job.results.Before`).  IPython syntax routed to the rank's shell counts as what it
+reads and binds (:func:`taas.job.syntax.unfold`).
 """
 
 from __future__ import annotations
