@@ -277,8 +277,12 @@ def test_run_bang_and_names_bound_any_way_come_back(kernel, clean, workdir):
         exec("by_exec = steps * 2")
         globals()["by_globals"] = len(read_only)
         from os.path import *
+        exec("import torch; big = torch.ones(1 << 19)")  # 2 MiB: out of rank 0's memory, no pickle
         """))
     assert run.error is None, run.traceback
+    status = kernel.run("%taas").stdout
+    assert "big results: 1 storage, 0.00 GiB" in status, status
+    assert kernel.run("print(big.sum().item() == 1 << 19)").stdout.strip() == "True"
     out = per_rank(run.stdout)
     for rank in (0, 1):
         assert f"[rank{rank}] script __main__ ['--steps=3', '--tag=v1'] rank {rank}" in out, out
