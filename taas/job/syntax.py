@@ -117,14 +117,15 @@ def unfold(tree: ast.Module) -> ast.Module:
     """``tree`` with each call of the rank's shell replaced by what it reads and binds, for
     :mod:`taas.job.analysis`: a ``%time``/``%timeit`` statement by its code's statements (so
     ``%time model = build(cfg)`` reads ``build`` and ``cfg`` and binds ``model``), any other call
-    by a tuple of its expansions (``!ls {folder}`` reads ``folder``)."""
+    by a tuple of its expansions (``!ls {folder}`` reads ``folder``) or of the names its code
+    uses (``%timeit``'s code runs in a function of its own, so it binds nothing)."""
     return _Unfold().visit(tree)
 
 
 class _Unfold(ast.NodeTransformer):
     def visit_Expr(self, node: ast.Expr):
         call = _shell_call(node.value)
-        if call is not None and call[0] == "run_line_magic" and len(call[1]) == 2 and call[1][0] in _NO_EXPAND:
+        if call is not None and call[0] == "run_line_magic" and len(call[1]) == 2 and call[1][0] == "time":
             body = _code_of(*call[1])
             if body is not None and body.body:
                 for stmt in body.body:
@@ -142,8 +143,10 @@ class _Unfold(ast.NodeTransformer):
         reads: list[ast.expr] = []
         if method == "run_line_magic" and len(args) == 2 and args[0] in _NO_EXPAND:
             code = _code_of(*args)
-            if code is not None and len(code.body) == 1 and isinstance(code.body[0], ast.Expr):
+            if code is not None and args[0] == "time" and len(code.body) == 1 and isinstance(code.body[0], ast.Expr):
                 reads.append(code.body[0].value)
+            elif code is not None:  # %timeit's code runs in a function of its own: it binds nothing here
+                reads.extend(ast.Name(n.id, ast.Load()) for n in ast.walk(code) if isinstance(n, ast.Name))
         else:
             text = args[1] if method.startswith("run_") and len(args) > 1 else (args[0] if args else "")
             for expr in expansions(text):

@@ -61,6 +61,7 @@ def test_every_magic_a_rank_has_passes(magic):
     (f"{S}.run_line_magic('time', 'model = build(cfg)')\nmodel.eval()\n", {"build", "cfg"}, ("model",)),
     (f"t = {S}.run_line_magic('timeit', '-n 3 -r 2 step(x)')\n", {"step", "x"}, ("t",)),
     (f"y = {S}.run_line_magic('time', 'f(x)')\n", {"f", "x"}, ("y",)),
+    (f"{S}.run_line_magic('timeit', 'z = f(x)')\n", {"f", "x", "z"}, ()),  # timeit binds nothing here
 ])
 def test_the_analysis_sees_what_a_magics_line_reads_and_binds(cell, free, bound):
     found = analysis.analyse(cell)
