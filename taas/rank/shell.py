@@ -161,8 +161,9 @@ class RankShell:
 
     def _magic_env(self, line: str, frame):
         line = line.strip()
-        if not line:
-            return dict(os.environ)
+        if not line:  # as IPython: likely secrets hidden (a rank's environment has the job's own too)
+            return {k: "<hidden>" if any(s in k.lower() for s in ("key", "token", "secret")) else v
+                    for k, v in os.environ.items()}
         if "=" in line or " " in line:
             return self._magic_set_env(line, frame)
         try:

@@ -107,10 +107,12 @@ def test_time_and_timeit(cell, capsys):
 
 def test_env_cd_pwd(cell, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TAAS_TEST_ENV", "before")
+    monkeypatch.setenv("TAAS_TEST_TOKEN", "s3cret")
     (tmp_path / "sub").mkdir()
     ns = cell("%env TAAS_TEST_ENV=after\nvalue = %env TAAS_TEST_ENV\nevery = %env\n"
               "%set_env TAAS_TEST_OTHER one two\n%cd sub\nthere = %pwd\n%cd -q -\nback = %pwd")
     assert ns["value"] == "after" and ns["every"]["TAAS_TEST_ENV"] == "after"
+    assert ns["every"]["TAAS_TEST_TOKEN"] == "<hidden>"  # as IPython hides likely secrets
     assert os.environ["TAAS_TEST_OTHER"] == "one two"
     monkeypatch.delenv("TAAS_TEST_OTHER")
     assert ns["there"] == str(tmp_path / "sub") and ns["back"] == str(tmp_path)
