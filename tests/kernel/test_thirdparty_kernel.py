@@ -278,6 +278,7 @@ def test_run_bang_and_names_bound_any_way_come_back(kernel, clean, workdir):
         globals()["by_globals"] = len(read_only)
         from os.path import *
         exec("import torch; big = torch.ones(1 << 19)")  # 2 MiB: out of rank 0's memory, no pickle
+        %time doubled = steps * 2
         """))
     assert run.error is None, run.traceback
     status = kernel.run("%taas").stdout
@@ -287,9 +288,10 @@ def test_run_bang_and_names_bound_any_way_come_back(kernel, clean, workdir):
     for rank in (0, 1):
         assert f"[rank{rank}] script __main__ ['--steps=3', '--tag=v1'] rank {rank}" in out, out
         assert f"[rank{rank}] shell says {rank} in {workdir}" in out, out
-    names = kernel.run("print(steps, run.steps, type(run).__name__, files, by_exec, by_globals, "
+        assert f"[rank{rank}] Wall time: " in out, out
+    names = kernel.run("print(doubled, steps, run.steps, type(run).__name__, files, by_exec, by_globals, "
                        "join('a', 'b'), type(files).__name__, tag, read_only)")
-    assert names.stdout.strip() == ("3 3 Run ['broken_script.py', 'tiny_script.py'] 6 2 a/b SList "
+    assert names.stdout.strip() == ("6 3 3 Run ['broken_script.py', 'tiny_script.py'] 6 2 a/b SList "
                                     "v1 [1, 2]"), names.stdout + names.stderr
     failed = kernel.run("%%taas --gpus 2\n\n%run broken_script.py")
     tb = plain(failed.traceback)
