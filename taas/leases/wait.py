@@ -1,0 +1,97 @@
+"""A job's wait for its GPUs: in line, one line updated in place, until it holds them all.
+
+    acquire(count, holder, inventory, show, note, no_wait) -> Lease
+
+The job takes a place in line (:class:`taas.leases.locks.Place`), then, until it holds its
+GPUs: reads the GPUs (``inventory``: real or fake), the leases held and the live line, asks
+:func:`taas.leases.decide.decide`, and either takes the GPUs (all or none) or shows the wait
+line and looks again a moment later.  An interrupt (KeyboardInterrupt) leaves the line and
+lets go of anything taken: nothing starts.  ``no_wait``: the first "not now" is a one-line
+LaunchError instead.  The line is never waited on for a holder that is gone: its lock went
+with it, and the next look sees the GPU free.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from taas.errors import LaunchError
+from taas.leases import locks
+from taas.leases.api import Gpu, Holder, Take
+from taas.leases.decide import busy_note, decide, refusal, wait_line
+
+POLL = 0.5  # seconds between looks while waiting
+AFTER_ALL = "~"  # sorts after every ticket name: a request not in line (--no-wait)
+
+
+def holder_for(job: str, environ=os.environ) -> Holder:
+    """This process as a holder of job ``job``: user, now, the notebook when Jupyter says."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.geteuid())
+    notebook = os.path.basename(environ.get("JPY_SESSION_NAME", ""))
+    return Holder(job, user, time.time(), notebook, os.getpid())
+
+
+def acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
+            show: Callable[[str, bool], None], note: Callable[[str], None], *,
+            no_wait: bool = False, busy_mib: int = 1024, path: str | None = None,
+            pause: Callable[[float], None] = time.sleep) -> locks.Lease:
+    """Lease ``count`` GPUs of ``inventory()`` for ``holder``, waiting in line unless
+    ``no_wait``.  ``show(text, final)``: the wait line, in place; ``note(line)``: said once."""
+    path = path or locks.lock_dir()
+    try:
+        locks.ensure(path)
+    except OSError as exc:
+        raise LaunchError(f"cannot use the GPU lease directory {path} ({exc.strerror}); "
+                          f"set {locks.ENV} to a directory every user of this machine can write") from None
+    said: set[str] = set()
+
+    def say_busy(gpus: Sequence[Gpu]) -> None:
+        fresh = [g for g in gpus if g.uuid not in said]
+        if fresh:
+            said.update(g.uuid for g in fresh)
+            note(busy_note(fresh))
+
+    if no_wait:
+        gpus = inventory()
+        decision = decide(gpus, locks.held(path), locks.line(path), AFTER_ALL, count, busy_mib)
+        lease = locks.try_take(path, decision.uuids, holder) if isinstance(decision, Take) else None
+        if lease is not None:
+            say_busy([g for g in gpus if g.used_mib > busy_mib and g.uuid not in decision.uuids])
+            return lease
+        decision = decide(gpus, locks.held(path), locks.line(path), AFTER_ALL, count, busy_mib)
+        if isinstance(decision, Take):  # taken by someone a moment ago, now free: still "no"
+            raise LaunchError(f"--no-wait: {count} GPU(s) asked, another job took them at the "
+                              "same moment; nothing was started")
+        raise LaunchError(refusal(count, decision))
+    started = time.monotonic()
+    waited = False
+    place = locks.Place(path, count, holder)
+    try:
+        while True:
+            gpus = inventory()
+            decision = decide(gpus, locks.held(path), locks.line(path), place.name, count, busy_mib)
+            if isinstance(decision, Take):
+                lease = locks.try_take(path, decision.uuids, holder)
+                if lease is not None:
+                    say_busy([g for g in gpus if g.used_mib > busy_mib and g.uuid not in decision.uuids])
+                    if waited:
+                        show(f"taas: waited {time.monotonic() - started:.0f} s for {count} GPU(s)", True)
+                    return lease
+            else:
+                say_busy(decision.busy)
+                show(wait_line(count, decision), False)
+                waited = True
+            pause(POLL)
+    except BaseException:
+        if waited:
+            show(f"taas: stopped waiting for {count} GPU(s) after {time.monotonic() - started:.0f} s; "
+                 "nothing was started", True)
+        raise
+    finally:
+        place.close()
