@@ -52,14 +52,15 @@ def fake(spec: str) -> list[Gpu]:
     return out
 
 
-def gpus(environ: Mapping[str, str] = os.environ) -> list[Gpu]:
-    """The GPUs this process's ranks may use, lowest index first."""
+def gpus(environ: Mapping[str, str] = os.environ, fallback: bool = True) -> list[Gpu]:
+    """The GPUs this process's ranks may use, lowest index first (``fallback=False``: NVML's
+    only, none without it: the terminal's ``taas jobs`` never imports torch)."""
     if environ.get(FAKE) is not None:
         return visible(fake(environ[FAKE]), environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         machine = _nvml()  # every GPU of the machine, in its own order
     except Exception:  # no pynvml, no driver library: torch, which applies CUDA_VISIBLE_DEVICES itself
-        return _torch()
+        return _torch() if fallback else []
     return visible(machine, environ.get("CUDA_VISIBLE_DEVICES"))
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from taas.errors import LaunchError
 from taas.leases import locks
 from taas.leases.api import Gpu, Holder, Take
-from taas.leases.decide import busy_note, decide, refusal, wait_line
+from taas.leases.decide import busy_note, decide, gpu_lines, refusal, wait_line
 
 POLL = 0.5  # seconds between looks while waiting
 AFTER_ALL = "~"  # sorts after every ticket name: a request not in line (--no-wait)
@@ -95,3 +95,26 @@ def acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
         raise
     finally:
         place.close()
+
+
+def for_cell(count: int, job: str, inventory: Callable[[], Sequence[Gpu]], sink, *,
+             no_wait: bool = False) -> locks.Lease:
+    """:func:`acquire` for job ``job``'s cell: the wait line is the cell's in-place line
+    ``taas:gpus`` and the notes go with taas's other warnings (stderr) of ``sink``
+    (a :class:`taas.io.output.Sink`: ``progress`` and ``write``)."""
+    from taas.leases.inventory import busy_mib
+
+    return acquire(count, holder_for(job), inventory,
+                   lambda text, final: sink.progress("taas:gpus", "stderr", text, final),
+                   lambda line: sink.write("stderr", line + "\n"),
+                   no_wait=no_wait, busy_mib=busy_mib())
+
+
+def machine_lines(gpus: Sequence[Gpu], path: str | None = None) -> list[str]:
+    """``%taas`` and ``taas jobs``: a heading and a line per GPU (free, leased by which job,
+    busy outside taas); nothing on a machine with no GPU and no lease."""
+    from taas.leases.inventory import busy_mib
+
+    path = path or locks.lock_dir()
+    lines = gpu_lines(gpus, locks.held(path), busy_mib())
+    return [f"GPUs on this machine (leases in {path}):", *lines] if lines else []
