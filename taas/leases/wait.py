@@ -51,6 +51,14 @@ def acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
                           f"set {locks.ENV} to a directory every user of this machine can write") from None
     said: set[str] = set()
 
+    def offered() -> Sequence[Gpu]:  # never a wait for GPUs this machine does not offer
+        gpus = inventory()
+        if count > len(gpus):
+            raise LaunchError(f"--gpus {count} asks for more GPUs than taas may use here ({len(gpus)}"
+                              + (f", CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"
+                                 if "CUDA_VISIBLE_DEVICES" in os.environ else "") + "); nothing was started")
+        return gpus
+
     def say_busy(gpus: Sequence[Gpu]) -> None:
         fresh = [g for g in gpus if g.uuid not in said]
         if fresh:
@@ -58,7 +66,7 @@ def acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
             note(busy_note(fresh))
 
     if no_wait:
-        gpus = inventory()
+        gpus = offered()
         decision = decide(gpus, locks.held(path), locks.line(path), AFTER_ALL, count, busy_mib)
         lease = locks.try_take(path, decision.uuids, holder) if isinstance(decision, Take) else None
         if lease is not None:
@@ -74,7 +82,7 @@ def acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
     place = locks.Place(path, count, holder)
     try:
         while True:
-            gpus = inventory()
+            gpus = offered()
             decision = decide(gpus, locks.held(path), locks.line(path), place.name, count, busy_mib)
             if isinstance(decision, Take):
                 lease = locks.try_take(path, decision.uuids, holder)
