@@ -114,6 +114,10 @@ class Lease:
         for fd in fds:
             os.close(fd)
 
+    # A lease dropped without close (an interrupt between its taking and its keeping) lets
+    # go of this process's copies then, not when the process ends.
+    __del__ = close
+
 
 def try_take(path: str, uuids: Iterable[str], holder: Holder) -> Lease | None:
     """Lease every GPU of ``uuids`` (in this order) or none; never blocks."""
