@@ -97,6 +97,7 @@ class Session:
         # process's copy: its processes hold theirs, so it lives as long as they do).
         self.gpus = inventory.gpus
         self._lease: Lease | None = None
+        self.job_name: str | None = None  # what leases name the job by (a job host: its record's id)
 
     def warm(self) -> None:
         self.launcher.warm()
@@ -252,7 +253,8 @@ class Session:
         lease = None
         if launcher is self.launcher and device == "cuda" and kept is None:  # kept ranks hold theirs
             self._let_go()  # this machine's GPUs for fresh ranks, leased: may wait in line
-            lease = self._lease = for_cell(world, job_id, self.gpus, sink, no_wait=options.no_wait)
+            lease = self._lease = for_cell(world, self.job_name or job_id, self.gpus, sink,
+                                           no_wait=options.no_wait)
         self.job_ids.append(job_id)
         # Large arrays travel once, through shared memory; on a cluster only by descriptor
         # (the launcher sends those bytes to each node), as named files stay on this machine.

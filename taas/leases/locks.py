@@ -114,9 +114,11 @@ class Lease:
         for fd in fds:
             os.close(fd)
 
-    # A lease dropped without close (an interrupt between its taking and its keeping) lets
-    # go of this process's copies then, not when the process ends.
-    __del__ = close
+    def __del__(self) -> None:
+        """A lease dropped without close (an interrupt between its taking and its keeping)
+        lets go of this process's copies then, not when the process ends."""
+        with contextlib.suppress(Exception):  # at interpreter exit, os may be gone already
+            self.close()
 
 
 def try_take(path: str, uuids: Iterable[str], holder: Holder) -> Lease | None:

@@ -13,6 +13,7 @@ with it, and the next look sees the GPU free.
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import os
 import time
@@ -20,8 +21,8 @@ from collections.abc import Callable, Sequence
 
 from taas.errors import LaunchError
 from taas.leases import locks
-from taas.leases.api import Gpu, Holder, Take
-from taas.leases.decide import busy_note, decide, gpu_lines, refusal, wait_line
+from taas.leases.api import Gpu, Holder, Take, Wait
+from taas.leases.decide import busy_note, busy_outside, decide, gpu_lines, refusal, wait_line
 
 POLL = 0.5  # seconds between looks while waiting
 AFTER_ALL = "~"  # sorts after every ticket name: a request not in line (--no-wait)
@@ -65,29 +66,31 @@ def acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
             said.update(g.uuid for g in fresh)
             note(busy_note(fresh))
 
-    if no_wait:
+    if no_wait:  # decide once, as if last in line
         gpus = offered()
-        decision = decide(gpus, locks.held(path), locks.line(path), AFTER_ALL, count, busy_mib)
-        lease = locks.try_take(path, decision.uuids, holder) if isinstance(decision, Take) else None
-        if lease is not None:
-            say_busy([g for g in gpus if g.used_mib > busy_mib and g.uuid not in decision.uuids])
-            return lease
-        decision = decide(gpus, locks.held(path), locks.line(path), AFTER_ALL, count, busy_mib)
-        if isinstance(decision, Take):  # taken by someone a moment ago, now free: still "no"
+        held = locks.held(path)
+        decision = decide(gpus, held, locks.line(path), AFTER_ALL, count, busy_mib)
+        if isinstance(decision, Wait):
+            raise LaunchError(refusal(count, decision))
+        lease = locks.try_take(path, decision.uuids, holder)  # since: now, as it asked now
+        if lease is None:  # taken by someone else between the look and the take
             raise LaunchError(f"--no-wait: {count} GPU(s) asked, another job took them at the "
                               "same moment; nothing was started")
-        raise LaunchError(refusal(count, decision))
+        say_busy([g for g in gpus if busy_outside(g, held, busy_mib)])
+        return lease
     started = time.monotonic()
     waited = False
     place = locks.Place(path, count, holder)
     try:
         while True:
             gpus = offered()
-            decision = decide(gpus, locks.held(path), locks.line(path), place.name, count, busy_mib)
+            held = locks.held(path)
+            decision = decide(gpus, held, locks.line(path), place.name, count, busy_mib)
             if isinstance(decision, Take):
-                lease = locks.try_take(path, decision.uuids, holder)
+                # The lease's record says since when it holds them, not since when it waited.
+                lease = locks.try_take(path, decision.uuids, dataclasses.replace(holder, since=time.time()))
                 if lease is not None:
-                    say_busy([g for g in gpus if g.used_mib > busy_mib and g.uuid not in decision.uuids])
+                    say_busy([g for g in gpus if busy_outside(g, held, busy_mib)])
                     if waited:
                         show(f"taas: waited {time.monotonic() - started:.0f} s for {count} GPU(s)", True)
                     return lease
