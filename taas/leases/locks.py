@@ -49,9 +49,16 @@ def ensure(path: str) -> None:
     for folder in (path, os.path.join(path, "queue")):
         with contextlib.suppress(FileExistsError):
             os.mkdir(folder, 0o1777)
-        info = os.stat(folder)
-        if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != 0o1777:
-            os.chmod(folder, 0o1777)  # mkdir's mode went through our umask
+        info = os.lstat(folder)  # a symlink planted there is not our directory
+        mode = stat.S_IMODE(info.st_mode)
+        if not stat.S_ISDIR(info.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", folder)
+        if info.st_uid == os.geteuid():
+            if mode != 0o1777:
+                os.chmod(folder, 0o1777)  # mkdir's mode went through our umask
+        elif mode & 0o1002 != 0o1002:  # another user's, not writable by all with the sticky bit
+            raise PermissionError(errno.EACCES, f"uid {info.st_uid}'s, mode {mode:o}, not shared (1777)",
+                                  folder)
 
 
 def _open(path: str, create: bool = True) -> int:

@@ -46,10 +46,16 @@ def acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
     ``no_wait``.  ``show(text, final)``: the wait line, in place; ``note(line)``: said once."""
     path = path or locks.lock_dir()
     try:
-        locks.ensure(path)
-    except OSError as exc:
-        raise LaunchError(f"cannot use the GPU lease directory {path} ({exc.strerror}); "
+        return _acquire(count, holder, inventory, show, note, no_wait, busy_mib, path, pause)
+    except OSError as exc:  # the lock directory: not shared, not writable, gone
+        raise LaunchError(f"cannot use the GPU lease directory {path} ({exc.strerror or exc}); "
                           f"set {locks.ENV} to a directory every user of this machine can write") from None
+
+
+def _acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
+             show: Callable[[str, bool], None], note: Callable[[str], None], no_wait: bool,
+             busy_mib: int, path: str, pause: Callable[[float], None]) -> locks.Lease:
+    locks.ensure(path)
     said: set[str] = set()
 
     def offered() -> Sequence[Gpu]:  # never a wait for GPUs this machine does not offer

@@ -185,3 +185,12 @@ def test_a_gpu_busy_outside_taas_is_said_once_and_not_offered(lease_dir):
 def test_more_gpus_than_offered_is_one_line_not_a_wait(lease_dir):
     with pytest.raises(LaunchError, match=r"^--gpus 3 asks for more GPUs than taas may use here \(2"):
         acquire(3, holder_for("j"), lambda: fake("GPU-a,GPU-b"), lambda t, f: None, notes.append, path=lease_dir)
+
+
+def test_a_lock_directory_that_is_not_a_directory_is_one_line(tmp_path):
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (tmp_path / "leases").symlink_to(planted)  # someone else's directory, through a symlink
+    with pytest.raises(LaunchError, match=r"^cannot use the GPU lease directory .*not a directory\); set TAAS_"):
+        acquire(1, holder_for("j"), lambda: fake("GPU-a"), lambda t, f: None, notes.append,
+                path=str(tmp_path / "leases"))

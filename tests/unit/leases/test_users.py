@@ -70,3 +70,34 @@ def test_two_users_lease_in_one_directory_and_neither_removes_the_others_files()
         mine.close()
     finally:
         shutil.rmtree(base)
+
+
+NOT_SHARED = r"""
+import sys
+from taas.errors import LaunchError
+from taas.leases.inventory import fake
+from taas.leases.wait import acquire, holder_for
+try:
+    acquire(1, holder_for("j"), lambda: fake("GPU-a"), lambda t, f: None, print, path=sys.argv[1])
+except LaunchError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="running as another user (setpriv) needs root")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="no setpriv")
+def test_a_lock_directory_another_user_did_not_share_is_one_line():
+    base = pathlib.Path(tempfile.mkdtemp(prefix="taas-leases-"))
+    try:
+        os.chmod(base, 0o755)
+        (base / "leases").mkdir(mode=0o755)  # root's, not 1777: nobody may not lease there
+        result = subprocess.run(
+            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+             sys.executable, "-c", NOT_SHARED, str(base / "leases")],
+            capture_output=True, text=True, cwd="/", timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == (
+            f"cannot use the GPU lease directory {base / 'leases'} (uid 0's, mode 755, not shared "
+            "(1777)); set TAAS_LEASE_DIR to a directory every user of this machine can write")
+    finally:
+        shutil.rmtree(base)
