@@ -86,6 +86,7 @@ def _acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
         return lease
     started = time.monotonic()
     waited = False
+    shown = ""
     place = locks.Place(path, count, holder)
     try:
         while True:
@@ -102,7 +103,10 @@ def _acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
                     return lease
             else:
                 say_busy(decision.busy)
-                show(wait_line(count, decision), False)
+                line = wait_line(count, decision)
+                if line != shown:  # redrawn only when it changes (a wait may last hours)
+                    show(line, False)
+                    shown = line
                 waited = True
             pause(POLL)
     except BaseException:

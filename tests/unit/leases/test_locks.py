@@ -194,3 +194,19 @@ def test_a_lock_directory_that_is_not_a_directory_is_one_line(tmp_path):
     with pytest.raises(LaunchError, match=r"^cannot use the GPU lease directory .*not a directory\); set TAAS_"):
         acquire(1, holder_for("j"), lambda: fake("GPU-a"), lambda t, f: None, notes.append,
                 path=str(tmp_path / "leases"))
+
+
+def test_the_wait_line_is_redrawn_only_when_it_changes(lease_dir):
+    pid, _ = hold_in_child(lease_dir, ["GPU-a"], job="slow")
+    shown: list[tuple[str, bool]] = []
+    looks: list[int] = []
+
+    def pause(_seconds: float) -> None:
+        looks.append(1)
+        if len(looks) == 3:  # three looks at the same state, then the holder goes
+            kill(pid)
+
+    lease = acquire(1, holder_for("w"), lambda: fake("GPU-a"), lambda t, f: shown.append((t, f)),
+                    notes.append, path=lease_dir, pause=pause)
+    assert [final for _, final in shown] == [False, True]  # one wait line, then its last state
+    lease.close()
