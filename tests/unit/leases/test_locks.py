@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -209,4 +210,39 @@ def test_the_wait_line_is_redrawn_only_when_it_changes(lease_dir):
     lease = acquire(1, holder_for("w"), lambda: fake("GPU-a"), lambda t, f: shown.append((t, f)),
                     notes.append, path=lease_dir, pause=pause)
     assert [final for _, final in shown] == [False, True]  # one wait line, then its last state
+    lease.close()
+
+
+def test_first_come_first_served_a_later_smaller_request_does_not_jump_the_line(lease_dir):
+    holder_pid, _ = hold_in_child(lease_dir, ["GPU-a"], job="holder")
+    said_r, said_w = os.pipe()
+
+    def big() -> int:  # first in line, for both GPUs
+        lease = acquire(2, Holder("big", "someone"), lambda: fake("GPU-a,GPU-b"),
+                        lambda t, final: os.write(said_w, b"T" if final else b"w"), lambda line: None,
+                        path=lease_dir, pause=lambda s: time.sleep(0.01))  # its own polling
+        os.write(said_w, b"T")
+        signal.pause()
+        return 0 if lease else 1
+
+    big_pid = fork(big)
+    assert os.read(said_r, 1) == b"w"  # the event: it waits in line
+    shown: list[tuple[str, bool]] = []
+
+    def pause(_seconds: float) -> None:
+        if holder_pid not in gone:  # we wait behind it although GPU-b is free: the holder goes
+            gone.append(holder_pid)
+            kill(holder_pid)
+            while os.read(said_r, 1) != b"T":  # the event: the first in line took both
+                pass
+        elif big_pid not in gone:
+            gone.append(big_pid)
+            kill(big_pid)
+
+    gone: list[int] = []
+    lease = acquire(1, holder_for("small"), lambda: fake("GPU-a,GPU-b"), lambda t, f: shown.append((t, f)),
+                    notes.append, path=lease_dir, pause=pause)
+    assert "1 free: GPU 0 leased by job holder" in shown[0][0] and "; 2nd in line, 1 ahead" in shown[0][0]
+    assert any("GPU 0 leased by job big" in t and "GPU 1 leased by job big" in t for t, _ in shown)
+    assert lease.uuids == ("GPU-a",) and gone == [holder_pid, big_pid]
     lease.close()
