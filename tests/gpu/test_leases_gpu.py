@@ -38,7 +38,6 @@ CELL = '''
 import os, time, torch
 x = torch.ones(1024, 1024, device="cuda")  # on the GPU for the whole cell
 name = os.path.join({folder!r}, {name!r})
-props = torch.cuda.get_device_properties(torch.cuda.current_device())
 open(name + ".started", "w").write(f"{{time.time()}} {{os.environ['CUDA_VISIBLE_DEVICES']}}")
 while not os.path.exists(name + ".go"):
     time.sleep(0.05)
@@ -61,7 +60,9 @@ def _notebook(folder: str, name: str, out: str, env: dict) -> subprocess.Popen:
 
 def test_the_second_notebook_waits_with_the_line_then_runs_never_both_on_the_gpu(tmp_path):
     folder = str(tmp_path)
-    env = dict(os.environ, TAAS_LEASE_DIR=str(tmp_path / "leases"))
+    # Not about GPUs busy outside taas: the CUDA memory earlier tests of this pytest process
+    # keep must not make the GPU "busy" for the notebooks.
+    env = dict(os.environ, TAAS_LEASE_DIR=str(tmp_path / "leases"), TAAS_GPU_BUSY_MIB=str(1 << 30))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     a_out, b_out = str(tmp_path / "a.out"), str(tmp_path / "b.out")
     a = _notebook(folder, "a", a_out, env)
