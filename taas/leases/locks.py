@@ -209,9 +209,11 @@ def line(path: str) -> list[Ticket]:
     request that ended or died: ignored (and removed when it is ours to remove)."""
     queue = os.path.join(path, "queue")
     try:
-        names = sorted(n for n in os.listdir(queue) if n.endswith(".ticket"))
+        found = os.listdir(queue)
     except FileNotFoundError:
         return []
+    _sweep_drafts(queue, [n for n in found if n.endswith(".draft")])
+    names = sorted(n for n in found if n.endswith(".ticket"))
     out = []
     for name in names:
         file = os.path.join(queue, name)
@@ -234,3 +236,20 @@ def line(path: str) -> list[Ticket]:
         finally:
             os.close(fd)
     return out
+
+
+DRAFT_AGE = 600.0  # seconds: a draft ticket this old was left by a waiter killed as it wrote it
+
+
+def _sweep_drafts(queue: str, names: list[str]) -> None:
+    """Remove the drafts that waiters killed between creating and publishing their ticket left
+    (never in line; only garbage), when they are ours to remove and long unlocked."""
+    for name in names:
+        file = os.path.join(queue, name)
+        with contextlib.suppress(OSError):
+            fd = _open(file, create=False)
+            try:
+                if time.time() - os.fstat(fd).st_mtime > DRAFT_AGE and not _locked_by_someone(fd):
+                    os.unlink(file)
+            finally:
+                os.close(fd)

@@ -246,3 +246,13 @@ def test_first_come_first_served_a_later_smaller_request_does_not_jump_the_line(
     assert any("GPU 0 leased by job big" in t and "GPU 1 leased by job big" in t for t, _ in shown)
     assert lease.uuids == ("GPU-a",) and gone == [holder_pid, big_pid]
     lease.close()
+
+
+def test_a_draft_ticket_a_killed_waiter_left_is_swept_once_old(lease_dir):
+    queue = os.path.join(lease_dir, "queue")
+    old, young = os.path.join(queue, ".1-2-ab.draft"), os.path.join(queue, ".3-4-cd.draft")
+    for path in (old, young):
+        open(path, "w").close()
+    os.utime(old, (1.0, 1.0))  # written long ago, and no one holds its lock
+    assert locks.line(lease_dir) == []
+    assert sorted(os.listdir(queue)) == [".3-4-cd.draft"]  # a young one may be a live waiter's
