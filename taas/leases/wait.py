@@ -2,8 +2,9 @@
 
     acquire(count, holder, inventory, show, note, no_wait) -> Lease
 
-The job takes a place in line (:class:`taas.leases.locks.Place`), then, until it holds its
-GPUs: reads the GPUs (``inventory``: real or fake), the leases held and the live line, asks
+First one look as if last in line: with no one waiting and enough GPUs free, the job takes
+them at once.  Otherwise it takes a place in line (:class:`taas.leases.locks.Place`), then,
+until it holds its GPUs: reads the GPUs (``inventory``: real or fake), the leases held and the live line, asks
 :func:`taas.leases.decide.decide`, and either takes the GPUs (all or none) or shows the wait
 line and looks again a moment later.  An interrupt (KeyboardInterrupt) leaves the line and
 lets go of anything taken: nothing starts.  ``no_wait``: the first "not now" is a one-line
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from taas.errors import LaunchError
 from taas.leases import locks
-from taas.leases.api import Gpu, Holder, Take, Wait
+from taas.leases.api import Gpu, Holder, Take
 from taas.leases.decide import busy_note, busy_outside, decide, gpu_lines, refusal, wait_line
 
 POLL = 0.5  # seconds between looks while waiting
@@ -72,18 +73,21 @@ def _acquire(count: int, holder: Holder, inventory: Callable[[], Sequence[Gpu]],
             said.update(g.uuid for g in fresh)
             note(busy_note(fresh))
 
-    if no_wait:  # decide once, as if last in line
-        gpus = offered()
-        held = locks.held(path)
-        decision = decide(gpus, held, locks.line(path), AFTER_ALL, count, busy_mib)
-        if isinstance(decision, Wait):
-            raise LaunchError(refusal(count, decision))
-        lease = locks.try_take(path, decision.uuids, holder)  # since: now, as it asked now
-        if lease is None:  # taken by someone else between the look and the take
+    # First one look, as if last in line: with no one waiting and enough free GPUs, the job
+    # takes them without a place in line (the common case: a few file operations).
+    gpus = offered()
+    held = locks.held(path)
+    decision = decide(gpus, held, locks.line(path), AFTER_ALL, count, busy_mib)
+    if isinstance(decision, Take):
+        lease = locks.try_take(path, decision.uuids, dataclasses.replace(holder, since=time.time()))
+        if lease is not None:
+            say_busy([g for g in gpus if busy_outside(g, held, busy_mib)])
+            return lease
+        if no_wait:  # taken by someone else between the look and the take
             raise LaunchError(f"--no-wait: {count} GPU(s) asked, another job took them at the "
                               "same moment; nothing was started")
-        say_busy([g for g in gpus if busy_outside(g, held, busy_mib)])
-        return lease
+    elif no_wait:
+        raise LaunchError(refusal(count, decision))
     started = time.monotonic()
     waited = False
     shown = ""
