@@ -20,6 +20,8 @@ from taas.errors import RenderedError, TaasError
 from taas.host import client
 from taas.jobs import listing
 from taas.jobs.store import JobError, Store
+from taas.leases import inventory
+from taas.leases.wait import machine_lines
 
 
 class TerminalView:
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(store: Store, args) -> int:
     if args.verb == "jobs":
         print(listing.render(store.listing()))
+        for line in machine_lines(inventory.gpus(fallback=False)):  # NVML's GPUs, or the leases alone
+            print(line)
         return 0
     job_id = store.resolve(args.id)
     if args.verb == "cancel":

@@ -50,6 +50,7 @@ class JobOptions:
     keep: float | None = None  # keep the ranks after the cell, idle at most this long (s); inf = no limit
     fresh: bool = False  # end kept ranks first and start fresh ones (with --detach: a new job)
     detach: bool = False  # the job outlives the kernel: the cell returns once the ranks run
+    no_wait: bool = False  # GPUs leased by other jobs: fail at once instead of waiting in line
 
 
 _SEE_HELP = "see %%taas? for the options"
@@ -220,6 +221,9 @@ _PARSER.add_argument("--detach", action="store_true",
                      help="run the job outside the kernel: the cell returns once the ranks run, "
                      "naming the job; it goes on if the kernel restarts or dies. Follow it with "
                      "%%taas attach ID (its output, then its results) or `taas attach ID` in a terminal")
+_PARSER.add_argument("--no-wait", action="store_true",
+                     help="when other jobs on this machine hold the GPUs this job needs, fail at "
+                     "once, saying who holds them, instead of waiting in line for them")
 _PARSER.add_argument("--config", metavar="NAME", type=_config,
                      help="DataSphere configuration name, as in a '#!NAME' line (shown by "
                      "the %%taas line magic, otherwise ignored)")

@@ -295,7 +295,7 @@ class TaasMagics(Magics):
         verb, args = words[0], words[1:]
         try:
             if verb == "jobs" and not args:
-                print(listing.render(store.listing()))
+                print("\n".join([listing.render(store.listing()), *self.session.gpu_lines()]))
             elif verb == "attach" and len(args) <= 1:
                 return self._attach(args[0] if args else None, store)
             elif verb == "cancel" and len(args) == 1:

@@ -42,6 +42,9 @@ from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.resident import ResidentMemory
 from taas.job.results import CellResult
 from taas.launch.api import cuda_device_count
+from taas.leases import inventory
+from taas.leases.locks import Lease
+from taas.leases.wait import for_cell, machine_lines
 from taas.rank import comm
 from taas.supervisor.cell import KeptCell
 from taas.supervisor.kept import Kept, Keeper
@@ -90,6 +93,11 @@ class Session:
         # Told each state the supervisor enters (taas.supervisor.machine.State): a job host
         # (taas.host) says "running" to its viewers when the ranks run.
         self.on_state = None
+        # The GPUs ranks here may use (tests give fake ones); the running job's lease (this
+        # process's copy: its processes hold theirs, so it lives as long as they do).
+        self.gpus = inventory.gpus
+        self._lease: Lease | None = None
+        self.job_name: str | None = None  # what leases name the job by (a job host: its record's id)
 
     def warm(self) -> None:
         self.launcher.warm()
@@ -178,6 +186,7 @@ class Session:
             try:
                 self.resident.settle()  # big tensors moved during the job: done before user code runs
             finally:
+                self._let_go()  # the ranks' own copies (kept ones) still hold the GPUs
                 self._running.release()
 
     def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
@@ -243,6 +252,11 @@ class Session:
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]
+        lease = None
+        if launcher is self.launcher and device == "cuda" and kept is None:  # kept ranks hold theirs
+            self._let_go()  # this machine's GPUs for fresh ranks, leased: may wait in line
+            lease = self._lease = for_cell(world, self.job_name or job_id, self.gpus, sink,
+                                           no_wait=options.no_wait)
         self.job_ids.append(job_id)
         # Large arrays travel once, through shared memory; on a cluster only by descriptor
         # (the launcher sends those bytes to each node), as named files stay on this machine.
@@ -279,10 +293,21 @@ class Session:
                           show=None if options.show is None else frozenset(keys.rank_key(r) for r in options.show),
                           results=options.results),
             data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
-            env=dict(process_env(world) | returning, **({"TAAS_KEEP": "1"} if keep else {})),
-            shared_fds=tuple(big.fds),  # resident big tensors, results channel
+            env=dict(process_env(world) | returning | (lease.env() if lease else {}),
+                     **({"TAAS_KEEP": "1"} if keep else {})),
+            # resident big tensors, results channel; the GPU lease's files: every process holds it
+            shared_fds=tuple(big.fds) + (lease.fds if lease else ()),
             cleanups=tuple(big.cleanups()),
         ), plane, big
+
+    def gpu_lines(self) -> list[str]:
+        """``%taas``: this machine's GPUs, free, leased (by which job) or busy outside taas."""
+        return machine_lines(self.gpus())
+
+    def _let_go(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.close()
 
     def _run(self, launcher, job: Job, plane: DataPlane | None, big: BigValues, stats: JobStats,
              sink: Sink, name_for) -> CellResult:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 def render(session) -> str:
     # Where the next cell runs: this machine's GPUs, or the cluster's nodes, GPUs and CPUs.
-    lines = session.launcher_for(session.cluster_address()).describe()
+    address = session.cluster_address()
+    lines = session.launcher_for(address).describe()
+    if address is None and hasattr(session, "gpu_lines"):  # this machine's GPUs and their leases
+        lines += session.gpu_lines()
     try:
         from taas.data.registry import registered
 

@@ -87,6 +87,7 @@ def main() -> int:
     record = store.read(folder.name)
     me = psutil.Process()
     record = record.replace(host_pid=me.pid, host_started=me.create_time())
+    session.job_name = record.id  # the GPU leases name the job as `taas jobs` does
     store.write(record)
     try:
         request: Request = pickle.loads((folder / records.REQUEST).read_bytes())

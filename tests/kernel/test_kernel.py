@@ -231,6 +231,26 @@ def test_status_line_magic(kernel):
     assert "CUDA" in run.stdout and "last job" in run.stdout
 
 
+def test_status_and_jobs_line_magics_show_the_machines_gpus_and_their_leases(kernel, tmp_path):
+    # Fake GPUs (an NVML list) and a lease held in the kernel itself, as a job's would be.
+    setup = kernel.run(cell(f"""
+        import os
+        os.environ["TAAS_FAKE_GPUS"], os.environ["TAAS_LEASE_DIR"] = "GPU-a,GPU-b", {str(tmp_path / "leases")!r}
+        from taas.leases import locks
+        from taas.leases.api import Holder
+        locks.ensure(os.environ["TAAS_LEASE_DIR"])
+        _lease = locks.try_take(os.environ["TAAS_LEASE_DIR"], ["GPU-b"], Holder("ab12cd34ef56", "alice"))
+        """))
+    try:
+        assert setup.error is None, setup.stderr
+        for magic in ("%taas", "%taas jobs"):
+            run = kernel.run(magic)
+            assert "  GPU 0 GPU-a: free\n" in run.stdout, run.stdout + run.stderr
+            assert "  GPU 1 GPU-b: leased by job ab12cd34ef56 (alice, since " in run.stdout, run.stdout
+    finally:
+        kernel.run('_lease.close(); del os.environ["TAAS_FAKE_GPUS"], os.environ["TAAS_LEASE_DIR"]')
+
+
 def test_cluster_line_magic_selects_this_machine_and_refuses_junk(kernel):
     run = kernel.run("%taas cluster local")
     assert run.error is None and "CUDA" in run.stdout, run.stdout + run.stderr

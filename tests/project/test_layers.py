@@ -35,6 +35,8 @@ ROOMS: dict[str, set[str]] = {
     "taas.job.memory": {"taas.errors"},
     "taas.job": {"taas.errors", "taas.job.memory"},
     "taas.workdir": {"taas.errors", "taas.io"},
+    # GPU leases on one machine: lock files, the line, the decisions (the session joins them).
+    "taas.leases": {"taas.errors"},
     # The launcher contract (api, rendezvous) and what a launched process may use.
     "taas.launch": {"taas.errors", "taas.shield"},
     "taas.launch.process": {"taas.launch"},
@@ -61,13 +63,13 @@ ROOMS: dict[str, set[str]] = {
     "taas.session": {"taas.wiring", "taas.errors", "taas.shield", "taas.directive", "taas.io", "taas.job",
                      "taas.job.memory", "taas.workdir", "taas.launch", "taas.launch.local",
                      "taas.launch.ray", "taas.data", "taas.data.shm", "taas.data.tcp",
-                     "taas.rank", "taas.supervisor"},
+                     "taas.rank", "taas.supervisor", "taas.leases"},
     # Jobs that outlive the kernel: their records on disk (pure file operations), the job host
     # that runs one with a Session of its own (and the viewer's side of it), the terminal face.
     "taas.jobs": {"taas.errors", "taas.io"},
     "taas.host": {"taas.errors", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
                   "taas.directive", "taas.workdir"},
-    "taas.cli": {"taas.errors", "taas.host", "taas.jobs"},
+    "taas.cli": {"taas.errors", "taas.host", "taas.jobs", "taas.leases"},
     # The notebook face.
     "taas.status": {"taas.session", "taas.data"},
     "taas.magics": {"taas.errors", "taas.directive", "taas.job", "taas.workdir", "taas.session",

@@ -91,3 +91,11 @@ def read_shared(spec):
     fds = [int(fd) for fd in os.environ["TAAS_SHARED_FDS"].split(",") if fd]
     print(b"|".join(os.pread(fd, 100, 0) for fd in fds).decode())
     return 0
+
+
+def show_gpus_then_hang(spec):
+    """A rank of a job with a GPU lease: the GPUs it sees, how many shared fds it holds."""
+    print(os.environ.get("CUDA_VISIBLE_DEVICES", "-"), os.environ.get("LOCAL_RANK", "-"),
+          len([fd for fd in os.environ.get("TAAS_SHARED_FDS", "").split(",") if fd]), flush=True)
+    while True:
+        time.sleep(1)

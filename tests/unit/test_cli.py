@@ -129,6 +129,25 @@ def test_jobs_with_none(home):
     assert one_line(shown) == "taas: no jobs (a cell run with --detach starts one)"
 
 
+def test_jobs_lists_this_machines_gpus_free_and_leased(home, tmp_path, monkeypatch):
+    from taas.leases import locks
+    from taas.leases.api import Holder
+
+    monkeypatch.setenv("TAAS_FAKE_GPUS", "GPU-a,GPU-b:9000,GPU-c")  # NVML's list, faked
+    monkeypatch.setenv(locks.ENV, str(tmp_path / "leases"))
+    locks.ensure(str(tmp_path / "leases"))
+    lease = locks.try_take(str(tmp_path / "leases"), ["GPU-c"], Holder("ab12cd34ef56", "alice", 1.0, "nb.ipynb"))
+    status, shown = taas(home, "jobs")
+    lease.close()
+    assert status == 0
+    lines = shown.strip("\n").split("\n")
+    assert lines[0] == "taas: no jobs (a cell run with --detach starts one)"
+    assert lines[1] == f"GPUs on this machine (leases in {tmp_path / 'leases'}):"
+    assert lines[2:4] == ["  GPU 0 GPU-a: free", "  GPU 1 GPU-b: busy outside taas (8.8 GiB used)"]
+    assert lines[4].startswith("  GPU 2 GPU-c: leased by job ab12cd34ef56 (alice, since ")
+    assert lines[4].endswith(", nb.ipynb)") and len(lines) == 5
+
+
 def test_jobs_lists_each_job_newest_first_with_causes_below(home, store, hosts):
     now = time.time()
     store.create(record("aaa111", State.DONE, started=now - 3000, has_results=True, first_line="x = train()"))

@@ -205,7 +205,7 @@ FLAG_OF_FIELD = {
     "device": "--device", "timeout": "--timeout", "show": "--show", "results": "--no-results",
     "config": "--config", "storage": "--storage", "stall": "--stall", "max_restarts": "--max-restarts",
     "cluster": "--cluster", "results_device": "--results-device", "keep": "--keep", "fresh": "--fresh",
-    "detach": "--detach",
+    "detach": "--detach", "no_wait": "--no-wait",
 }
 
 
@@ -455,3 +455,8 @@ def test_the_fallback_notes_fact_leaves_out_the_rank_count():
     cluster = resolve_world(parse_options("--gpus 2"), 0, where="the cluster")[3]
     assert note_fact(two) == note_fact(three) == note_fact(one) != note_fact(cluster)
     assert note_fact(two) == "taas: no CUDA device here: running CPU ranks on gloo"
+
+
+def test_no_wait_is_off_unless_asked():
+    assert parse_options("--gpus 2").no_wait is False
+    assert parse_options("--gpus 2 --no-wait").no_wait is True

@@ -214,3 +214,50 @@ def test_garbage_on_the_start_process_channel_never_fails_a_job(launcher, tmp_pa
     assert exits == {"rank0": 0, "rank1": 0}
     assert b"hello from rank1" in output[("rank1", "stdout")]
     assert_gone(pids.values())
+
+
+def test_a_gpu_lease_is_held_by_the_ranks_and_goes_with_the_last_of_them(launcher, tmp_path):
+    """The session's lease (taas.leases) travels as shared fds: the ranks hold it after the
+    kernel let go of its copy, one rank SIGKILLed leaves it with the other, and it is free once
+    the job's processes are gone (fake GPU UUIDs: no GPU needed)."""
+    import os
+    import signal
+
+    from taas.leases import locks
+    from taas.leases.api import Holder
+
+    path = str(tmp_path / "leases")
+    locks.ensure(path)
+    lease = locks.try_take(path, ["GPU-a", "GPU-b"], Holder("j1", "me"))
+    assert lease is not None
+    spec = LaunchSpec(
+        job_id=f"t{time.monotonic_ns()}", cwd=str(tmp_path),
+        processes=tuple(ProcessSpec(key=f"rank{i}", entry="tests.support.launch_targets:show_gpus_then_hang",
+                                    env={**lease.env(), "LOCAL_RANK": str(i)}) for i in range(2)),
+        shared_fds=lease.fds)
+    job = launcher.start(spec)
+    lease.close()  # the kernel lets go of its copy: the ranks hold the lease now
+    output: dict[str, bytes] = {}
+    exits: dict[str, int] = {}
+    try:
+        while sum(v.count(b"\n") for v in output.values()) < 2:  # the event: both ranks printed
+            for ev in job.events(0.05):
+                if isinstance(ev, OutputChunk):
+                    output[ev.key] = output.get(ev.key, b"") + ev.data
+        assert output == {"rank0": b"GPU-a,GPU-b 0 2\n", "rank1": b"GPU-a,GPU-b 1 2\n"}
+        assert set(locks.held(path)) == {"GPU-a", "GPU-b"}
+        os.kill(job.pids["rank0"], signal.SIGKILL)
+        while "rank0" not in exits:
+            for ev in job.events(0.05):
+                if isinstance(ev, ProcessExit):
+                    exits[ev.key] = ev.returncode
+        assert set(locks.held(path)) == {"GPU-a", "GPU-b"}  # rank1 still holds both
+        job.stop(grace=0.5)
+        while "rank1" not in exits:
+            for ev in job.events(0.05):
+                if isinstance(ev, ProcessExit):
+                    exits[ev.key] = ev.returncode
+        assert locks.held(path) == {}
+    finally:
+        job.stop(grace=0.1)
+        job.close()
