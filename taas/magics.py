@@ -132,6 +132,7 @@ class TaasMagics(Magics):
         from taas.host.spares import Hosts
 
         self.hosts = Hosts()  # a warm job host for the next --detach (none started yet)
+        self.adopted = None  # a kept detached job's ranks this kernel adopted (taas.host.adopt)
 
     def warm(self) -> None:
         """Start a job host ahead of the first ``--detach`` (unless ``TAAS_WARM_HOST=0``), so that
@@ -145,8 +146,12 @@ class TaasMagics(Magics):
                 pass
 
     def close(self) -> None:
-        """``%unload_ext``: let the warm job host go (a host with a job goes on)."""
+        """``%unload_ext``: let the warm job host go (a host with a job goes on), and adopted kept
+        ranks (they wait for the next kernel, until their idle limit)."""
         self.hosts.close()
+        if self.adopted is not None:
+            self.adopted.close()
+            self.adopted = None
 
     @line_cell_magic
     def taas(self, line: str, cell: str | None = None):
@@ -165,6 +170,8 @@ class TaasMagics(Magics):
         sink = self._sink()
         if options.detach:
             return self._detach(line, cell, options, filename, sink)
+        if self.adopted is not None and self._still_adopted(sink):
+            return self._on_adopted(line, cell, filename, sink)
         try:
             result = self.session.run_cell(
                 cell, shell.user_ns, options, filename=filename, first_line=2, sink=sink,
@@ -222,6 +229,62 @@ class TaasMagics(Magics):
               f"or taas attach {record.id} in a terminal")
         return None
 
+    def _still_adopted(self, sink) -> bool:
+        """Whether the adopted kept ranks wait for this cell; if they ended meanwhile (their idle
+        limit, a cancel), one line says so and the cell runs here as any other."""
+        gone = self.adopted.gone()
+        if gone is None:
+            return True
+        self.adopted.close()
+        self.adopted = None
+        write_note(sink, f"{gone}; this cell starts fresh ranks", WARN)
+        return False
+
+    def _on_adopted(self, line: str, cell: str, filename: str, sink):
+        """A cell on adopted kept ranks: sent to their host, shown here as it runs; rank 0's
+        names and Out[] land here as for a kept cell."""
+        from taas.host import client
+        from taas.session import job_metrics
+
+        sink = sink or TerminalSink()
+        try:
+            request = client.request_for(cell, self.shell.user_ns, line, filename=filename,
+                                         label=self._name_for(filename), first_line=2,
+                                         hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for)
+            returned = self.adopted.run(request, sink, getattr(sink, "updates_in_place", True),
+                                        on_metrics=job_metrics.HISTORY.add)
+        except (*_BEFORE_LAUNCH, client.JobError) as exc:
+            if self.adopted.ended is not None:  # the ranks ended under the cell: not ours any more
+                self.adopted.close()
+                self.adopted = None
+            raise UsageError(str(exc)) from None
+        return self._land(client.load(returned), sink)
+
+    def _land(self, loaded, sink):
+        """Rank 0's names into the notebook, their notes, and Out[]."""
+        values, out, has_out, notes = loaded
+        self.shell.user_ns.update(values)
+        for note in notes:
+            write_note(sink, note, WARN)
+        return out if has_out else None
+
+    def _adopt(self, store, job_id: str, sink):
+        """``%taas attach`` on a kept job: its ranks become this notebook's kept ranks (this
+        kernel's own kept ranks are released first); then its first cell's results land, once."""
+        from taas.host import adopt, client
+
+        adopted = adopt.Adopted(store, job_id, os.environ.get("JPY_SESSION_NAME", ""))
+        if self.adopted is not None:
+            self.adopted.close()
+        local = self.session.release(sink)
+        if local:
+            write_note(sink, f"{local}: this notebook's kept ranks are job {job_id}'s from now on", WARN)
+        self.adopted = adopted
+        print(f"taas: job {job_id}'s kept ranks ({adopted.describe()}) are this notebook's now: the next "
+              "taas cells run on them; %taas release ends them")
+        returned = adopt.first_cell(store, job_id)
+        return None if returned is None else self._land(client.load(returned), sink)
+
     def _attach(self, job_id: str | None, store=None, latest: int | None = None):
         """``%taas attach [ID]``: the job's output so far, then live; at its end rank 0's names
         and Out[] land here, or its failure is raised.  An interrupt detaches."""
@@ -239,15 +302,13 @@ class TaasMagics(Magics):
             except KeyboardInterrupt:
                 print(f"taas: detached from job {job_id}; it goes on (%taas attach {job_id} follows it again)")
                 return None
+            if record.state.value == "kept":  # its cell ended; its ranks wait to be adopted
+                return self._adopt(store, job_id, sink)
             if record.state.value != "done":
                 client.raise_failure(store, record)
-            values, out, has_out, notes = client.load(client.take(store, record))
+            return self._land(client.load(client.take(store, record)), sink)
         except client.JobError as exc:
             raise UsageError(str(exc)) from None
-        self.shell.user_ns.update(values)
-        for note in notes:
-            write_note(sink, note, WARN)
-        return out if has_out else None
 
     def _jobs(self, words: list[str]) -> None:
         """``%taas jobs | attach [ID] | cancel ID | forget ID | logs ID``."""
@@ -293,6 +354,10 @@ class TaasMagics(Magics):
                 address, settings = _cluster_words(words[1:])
                 print("\n".join(self.session.use_cluster(address, **settings)))
                 return
+            if words == ["release"] and self.adopted is not None:  # adopted kept ranks: their host's
+                adopted, self.adopted = self.adopted, None
+                print(adopted.release())
+                return
             if words == ["release"]:  # end the kept ranks (--keep)
                 print(self.session.release(NotebookSink() if getattr(self.shell, "kernel", None)
                                            is not None else None) or "taas: no kept ranks")
@@ -304,6 +369,9 @@ class TaasMagics(Magics):
                                  "'attach [ID]', 'cancel ID', 'forget ID' or 'logs ID', "
                                  f"got {line.strip()!r}")
             print(status.render(self.session))
+            if self.adopted is not None:
+                print(f"adopted kept ranks: job {self.adopted.job}, {self.adopted.describe()}, run by its "
+                      "job host (%taas release ends them)")
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
 

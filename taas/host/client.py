@@ -250,13 +250,13 @@ def _latest(items: list[dict], budget: int) -> list[dict]:
 
 def follow(store: Store, job_id: str, sink, *, latest: int | None = LATEST,
            on_metrics: Callable | None = None) -> JobRecord:
-    """Show job ``job_id`` from its latest output, then live, until it ends: its final record.
-    KeyboardInterrupt leaves the job running (the caller says so)."""
+    """Show job ``job_id`` from its latest output, then live, until it ends (a kept job: until its
+    cell ends and the ranks wait): its record then.  KeyboardInterrupt leaves the job running (the caller says so)."""
     follower = Follower(store, job_id, sink, latest=latest, on_metrics=on_metrics)
     while True:
         follower.step()
         record = store.read(job_id)
-        if record.state.final:
+        if record.state.final or record.state is State.KEPT:  # kept: its cell ended, the ranks wait
             follower.finish()
             return record
         time.sleep(POLL)

@@ -1,0 +1,176 @@
+"""The kernel's side of a kept job (``--keep --detach``): adopt its kept ranks, run cells on them.
+
+``%taas attach ID`` on a job whose record reads ``kept`` connects to the host's socket, proves
+the job's secret and, when no other kernel holds the ranks, makes them this kernel's
+(:class:`Adopted`).  Each later taas cell is sent to the host (:meth:`Adopted.run`): what the
+cell shows arrives as the host's Sink calls and is replayed on this notebook's sink as it
+comes, then rank 0's names and Out[] (or the failure, raised as an attached cell's).  Ctrl-C
+sends an Interrupt: the cell is interrupted on the ranks, which stay.  Closing the connection
+(``%unload_ext``, the kernel's death) lets the ranks wait for the next kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import socket
+
+from taas.errors import JobFailed, LaunchError
+from taas.host import channel
+from taas.host.api import (SHOWN, CellDone, CellFailed, Ended, Hello, Interrupt, Metrics, Refused, Release,
+                           Request, Returned, RunCell, Show, Welcome)
+from taas.jobs.store import JobError, Store
+
+
+class Adopted:
+    """This kernel's hold on a kept job's ranks, through the host's socket."""
+
+    def __init__(self, store: Store, job_id: str, notebook: str = ""):
+        folder = store.folder(job_id)
+        self.job = job_id
+        try:
+            token = channel.read_secret(folder)
+            self.sock = channel.connect(folder)
+        except OSError:
+            raise JobError(f"taas: job {job_id}'s kept ranks cannot be reached: their host is gone "
+                           f"(`taas jobs` says how it ended)") from None
+        try:
+            channel.send(self.sock, Hello(token, os.getpid(), notebook))
+            answer, _ = channel.recv(self.sock)
+        except (OSError, EOFError, channel.ProtocolError) as exc:
+            self.sock.close()
+            raise JobError(f"taas: job {job_id}'s host did not answer: {exc}") from None
+        if not isinstance(answer, Welcome):
+            self.sock.close()
+            raise JobError(answer.line if isinstance(answer, Refused) else
+                           f"taas: job {job_id}'s host answered {type(answer).__name__}")
+        self.welcome: Welcome = answer
+        self.ended: str | None = None  # the host's last word: the ranks ended
+
+    def describe(self) -> str:
+        w = self.welcome
+        return f"{w.ranks} on {w.device}/{w.backend}"
+
+    def gone(self) -> str | None:
+        """Before a cell: the line saying the kept ranks ended meanwhile (their idle limit, a
+        cancel, the host killed), or None when they wait for this cell."""
+        if self.ended is None:
+            ready, _, _ = select.select([self.sock], [], [], 0)
+            if ready:
+                try:
+                    self._next()
+                except JobError:  # closed without a word: ``ended`` says so
+                    pass
+        return self.ended
+
+    def run(self, request: Request, sink, in_place: bool = True, on_metrics=None) -> Returned:
+        """``request``'s cell on the kept ranks, shown on ``sink`` as it runs; rank 0's names and
+        Out[].  Raises the cell's failure as an attached cell would, KeyboardInterrupt after an
+        interrupt (the ranks stay), JobError when the ranks ended under the cell."""
+        try:
+            channel.send(self.sock, RunCell(in_place), pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            self._lost()
+        interrupts = 0
+        while True:
+            try:
+                message, body = self._next()
+            except KeyboardInterrupt:  # the notebook's interrupt: the cell's, not the ranks'
+                interrupts += 1
+                try:
+                    channel.send(self.sock, Interrupt())
+                except OSError:
+                    self._lost()
+                continue
+            if isinstance(message, Show) and message.call in SHOWN:
+                show = getattr(sink, message.call, None)
+                if show is not None:
+                    show(*message.args)
+            elif isinstance(message, Metrics) and on_metrics is not None:
+                on_metrics(self.job, message.rank, [(step, values) for step, values in message.rows])
+            elif isinstance(message, CellDone):
+                return pickle.loads(body)
+            elif isinstance(message, CellFailed):
+                raise _failure(message)
+            elif isinstance(message, Ended):
+                raise JobError(message.line)
+
+    def release(self) -> str:
+        """End the kept ranks (and their host); the line saying so."""
+        if self.gone() is not None:
+            return self.ended or ""
+        try:
+            channel.send(self.sock, Release())
+            while True:
+                message, _ = self._next()
+                if isinstance(message, Ended):
+                    return message.line
+        except (OSError, JobError):
+            return self.ended or f"taas: job {self.job}'s kept ranks had already ended"
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let go: the ranks wait for the next kernel (until their idle limit)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _next(self):
+        try:
+            message, body = channel.recv(self.sock)
+        except (OSError, EOFError, channel.ProtocolError):
+            self._lost()
+        if isinstance(message, Ended):
+            self.ended = message.line
+        return message, body
+
+    def _lost(self):
+        self.ended = self.ended or (f"taas: job {self.job}'s host ended without a word (killed?); its kept "
+                                    "ranks ended with it")
+        raise JobError(self.ended)
+
+
+def _failure(message: CellFailed) -> BaseException:
+    """The cell's exception as the notebook shows it."""
+    if message.kind == "KeyboardInterrupt":
+        exc = KeyboardInterrupt()
+        lines = list(message.rendered)
+        exc._render_traceback_ = lambda: list(lines)  # type: ignore[attr-defined]
+        if len(lines) > 1:
+            exc.add_note("\n".join(lines[1:]))
+        return exc
+    if message.kind in ("JobFailed", "CellSyntaxError") or message.rendered:
+        return JobFailed(message.summary, list(message.rendered) or None)
+    return LaunchError(message.summary)
+
+
+def first_cell(store: Store, job_id: str) -> Returned | None:
+    """A kept job's first cell, once, for the notebook that adopts its ranks: rank 0's names
+    and Out[] (None when another notebook took them), or its failure raised."""
+    import json
+
+    from taas.host import client
+    from taas.host.api import FAILURE
+
+    folder = store.folder(job_id)
+    mine = folder / f".failure-{os.getpid()}"
+    try:
+        os.rename(folder / FAILURE, mine)  # the one atomic claim, as for results
+    except FileNotFoundError:
+        pass
+    else:
+        try:
+            failure = json.loads(mine.read_bytes())
+        finally:
+            os.unlink(mine)
+        raise _failure(CellFailed(failure.get("summary", ""), list(failure.get("rendered") or ()),
+                                  failure.get("kind", "JobFailed")))
+    try:
+        return client.take(store, store.read(job_id))
+    except JobError:  # taken already (by the kernel that started it, or an earlier attach)
+        return None
+
