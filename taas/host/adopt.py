@@ -11,16 +11,22 @@ sends an Interrupt: the cell is interrupted on the ranks, which stay.  Closing t
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import pickle
 import select
+import signal
 import socket
+import threading
 
 from taas.errors import JobFailed, LaunchError
 from taas.host import channel
 from taas.host.api import (SHOWN, CellDone, CellFailed, Ended, Hello, Interrupt, Metrics, Refused, Release,
                            Request, Returned, RunCell, Show, Welcome)
 from taas.jobs.store import JobError, Store
+
+log = logging.getLogger(__name__)
 
 
 class Adopted:
@@ -72,17 +78,17 @@ class Adopted:
             channel.send(self.sock, RunCell(in_place), pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
             self._lost()
-        interrupts = 0
         while True:
             try:
-                message, body = self._next()
+                select.select([self.sock], [], [])  # nothing read yet: an interrupt may land here
             except KeyboardInterrupt:  # the notebook's interrupt: the cell's, not the ranks'
-                interrupts += 1
-                try:
-                    channel.send(self.sock, Interrupt())
-                except OSError:
-                    self._lost()
+                self._interrupt()
                 continue
+            noted: list = []
+            with _noting(noted):  # a frame is read whole, or the stream loses its place
+                message, body = self._next()
+            if noted:
+                self._interrupt()
             if isinstance(message, Show) and message.call in SHOWN:
                 show = getattr(sink, message.call, None)
                 if show is not None:
@@ -95,6 +101,13 @@ class Adopted:
                 raise _failure(message)
             elif isinstance(message, Ended):
                 raise JobError(message.line)
+
+    def _interrupt(self) -> None:
+        try:
+            channel.send(self.sock, Interrupt())
+        except OSError as exc:
+            log.debug("job %s: its socket: %r", self.job, exc)
+            self._lost()
 
     def release(self) -> str:
         """End the kept ranks (and their host); the line saying so."""
@@ -122,7 +135,8 @@ class Adopted:
     def _next(self):
         try:
             message, body = channel.recv(self.sock)
-        except (OSError, EOFError, channel.ProtocolError):
+        except (OSError, EOFError, channel.ProtocolError) as exc:
+            log.debug("job %s: its socket: %r", self.job, exc)
             self._lost()
         if isinstance(message, Ended):
             self.ended = message.line
@@ -134,16 +148,31 @@ class Adopted:
         raise JobError(self.ended)
 
 
+@contextlib.contextmanager
+def _noting(noted: list):
+    """SIGINT only noted in ``noted`` for the block (in the main thread, where Python's handler
+    is set), so that reading a frame is never cut in half."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _failure(message: CellFailed) -> BaseException:
     """The cell's exception as the notebook shows it."""
-    if message.kind == "KeyboardInterrupt":
+    if message.error == "KeyboardInterrupt":
         exc = KeyboardInterrupt()
         lines = list(message.rendered)
         exc._render_traceback_ = lambda: list(lines)  # type: ignore[attr-defined]
         if len(lines) > 1:
             exc.add_note("\n".join(lines[1:]))
         return exc
-    if message.kind in ("JobFailed", "CellSyntaxError") or message.rendered:
+    if message.error in ("JobFailed", "CellSyntaxError") or message.rendered:
         return JobFailed(message.summary, list(message.rendered) or None)
     return LaunchError(message.summary)
 

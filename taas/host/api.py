@@ -153,7 +153,7 @@ class CellFailed:
 
     summary: str
     rendered: list
-    kind: str
+    error: str  # the exception's class name: JobFailed, KeyboardInterrupt, LaunchError...
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ class ProtocolError(Exception):
 
 
 def send(sock: socket.socket, message, body: bytes = b"") -> None:
-    header = json.dumps({"kind": type(message).__name__, **message.__dict__}).encode()
+    header = json.dumps({**message.__dict__, "kind": type(message).__name__}).encode()
     frame = _HEAD.pack(len(header), len(body)) + header
     if len(body) < 1 << 16:  # one write for a small frame; a big body is not copied
         sock.sendall(frame + body)

@@ -39,6 +39,7 @@ from taas.jobs.api import State
 log = logging.getLogger(__name__)
 
 GREET_WAIT = 5.0  # seconds a connection has to prove the secret
+RELEASED = "were released (%taas release)"
 
 
 class KeptHost:
@@ -126,10 +127,14 @@ class KeptHost:
             state, cause = State.CANCELLED, "cancelled"
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the end is written whole
-            self.session.release()
+            released = self.session.release()
             self.listener.close()
-        line = {State.CANCELLED: f"taas: job {job} was cancelled: {what} ended"}.get(
-            state, f"taas: {what} of job {job} {cause}")
+        if state is State.CANCELLED:
+            line = f"taas: job {job} was cancelled: {what} ended"
+        elif cause == RELEASED and released:
+            line = f"{released} of job {job}"
+        else:
+            line = f"taas: {what} of job {job} {cause}"
         self._tell(Ended(line))
         channel.remove(self.folder)
         log.debug("kept ranks ended: %s", line)
@@ -160,7 +165,7 @@ class KeptHost:
             elif isinstance(what, RunCell):
                 self._cell(conn, what, body)
             elif isinstance(what, Release):
-                return State.DONE, "were released (%taas release)"
+                return State.DONE, RELEASED
 
     def _cell(self, conn: socket.socket, message: RunCell, body: bytes) -> None:
         from taas.job.metrics import HISTORY
