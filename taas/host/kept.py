@@ -138,7 +138,7 @@ class KeptHost:
         self._tell(Ended(line))
         channel.remove(self.folder)
         log.debug("kept ranks ended: %s", line)
-        return self._now().replace(state=state, cause=cause)
+        return self._now().replace(state=state, cause=cause if state is State.CANCELLED else f"the kept ranks {cause}")
 
     def _loop(self) -> tuple[State, str]:
         last = self.session.kept

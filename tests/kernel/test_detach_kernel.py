@@ -357,6 +357,15 @@ def test_a_killed_host_of_kept_ranks_ends_them_and_reads_lost(kernel, home):
         run.stdout + run.stderr
 
 
+def test_kept_ranks_end_at_their_idle_limit_and_the_record_says_done(kernel, home):
+    job = job_of(kernel.run("%%taas --gpus 2 --keep 2s --detach\nx = 1"))
+    tree = host_tree(home, job)
+    wait_for(lambda: record(home, job)["state"] == "done", what="the idle limit")
+    assert record(home, job)["cause"] == "the kept ranks were released after their idle limit (--keep 2s)"
+    assert wait_until_gone([p.pid for p in tree]) == []
+    assert not (home / "jobs" / job / "kept.sock").exists()
+
+
 def test_records_are_private(home):
     jobs = home / "jobs"
     assert os.stat(jobs).st_mode & 0o077 == 0
