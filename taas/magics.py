@@ -170,7 +170,7 @@ class TaasMagics(Magics):
         sink = self._sink()
         if options.detach:
             return self._detach(line, cell, options, filename, sink)
-        if self.adopted is not None and self._still_adopted(sink):
+        if self.adopted is not None and not options.cluster and self._still_adopted(sink):
             return self._on_adopted(line, cell, filename, sink)
         try:
             result = self.session.run_cell(
@@ -304,7 +304,8 @@ class TaasMagics(Magics):
                 return None
             if record.state.value == "kept":  # its cell ended; its ranks wait to be adopted
                 return self._adopt(store, job_id, sink)
-            if record.state.value != "done":
+            # A kept job's first cell ended well even if its ranks were cancelled or lost later.
+            if record.state.value != "done" and not (record.keep and record.has_results and record.taken is None):
                 client.raise_failure(store, record)
             return self._land(client.load(client.take(store, record)), sink)
         except client.JobError as exc:

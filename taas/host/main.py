@@ -165,13 +165,15 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
     try:
         returned = run_request(session, namespace, request, sink)
         write_file(store.folder(record.id) / records.RESULTS, pickle.dumps(returned))
-        return _now(store, record).replace(state=kept if session.kept else State.DONE, has_results=True)
+        return _now(store, record).replace(state=kept if session.kept else State.DONE, has_results=True,
+                                           keep=session.kept is not None)
     except KeyboardInterrupt:
         write_note(sink, f"taas: job {record.id} cancelled: every process stopped", WARN)
         return _now(store, record).replace(state=State.CANCELLED, cause="cancelled")
     except BaseException as exc:  # the record must say why, whatever it was
         _failed(store, record, failure_of(exc))
-        return _now(store, record).replace(state=kept if session.kept else State.FAILED, cause=cause_of(exc))
+        return _now(store, record).replace(state=kept if session.kept else State.FAILED, cause=cause_of(exc),
+                                           keep=session.kept is not None)
     finally:
         session.on_state = None
         HISTORY.observers.remove(sink.metrics)

@@ -357,6 +357,16 @@ def test_a_killed_host_of_kept_ranks_ends_them_and_reads_lost(kernel, home):
         run.stdout + run.stderr
 
 
+def test_cancel_ends_kept_ranks_and_their_host(kernel, home):
+    job, tree = kept_job(kernel, home)
+    run = kernel.run(f"%taas cancel {job}")
+    assert run.stdout.strip() == f"taas: job {job} cancelled", run.stdout + run.stderr
+    assert wait_until_gone([p.pid for p in tree]) == []
+    assert not (home / "jobs" / job / "kept.sock").exists()
+    run = kernel.run(f"%taas attach {job}")  # the first cell's results still land, once
+    assert run.error is None and kernel.run("print(first)").stdout.strip() == "from the first cell"
+
+
 def test_kept_ranks_end_at_their_idle_limit_and_the_record_says_done(kernel, home):
     job = job_of(kernel.run("%%taas --gpus 2 --keep 2s --detach\nx = 1"))
     tree = host_tree(home, job)
