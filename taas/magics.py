@@ -250,7 +250,8 @@ class TaasMagics(Magics):
         try:
             request = client.request_for(cell, self.shell.user_ns, line, filename=filename,
                                          label=self._name_for(filename), first_line=2,
-                                         hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for)
+                                         hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for,
+                                         held=self.adopted.held)
             returned = self.adopted.run(request, sink, getattr(sink, "updates_in_place", True),
                                         on_metrics=job_metrics.HISTORY.add)
         except (*_BEFORE_LAUNCH, client.JobError) as exc:
@@ -258,7 +259,9 @@ class TaasMagics(Magics):
                 self.adopted.close()
                 self.adopted = None
             raise UsageError(str(exc)) from None
-        return self._land(client.load(returned), sink)
+        loaded = client.load(returned)
+        self.adopted.held.remember(loaded[0])  # the host holds what came back, as the notebook does
+        return self._land(loaded, sink)
 
     def _land(self, loaded, sink):
         """Rank 0's names into the notebook, their notes, and Out[]."""

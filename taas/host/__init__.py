@@ -16,5 +16,6 @@ the record folder (kept.py, channel.py): one kernel at a time adopts them, provi
 secret (adopt.py), and sends its later cells there; their output streams back as it happens.
 
 May import: taas.session (the host runs a Session), taas.jobs, taas.job, taas.io, taas.data,
-taas.directive, taas.errors.
+taas.directive, taas.workdir, taas.errors, and taas.supervisor (kept ranks' value fingerprints,
+so that an adopting kernel sends only what their host lacks).
 """

@@ -19,14 +19,48 @@ import select
 import signal
 import socket
 import threading
+import weakref
 
 from taas.errors import JobFailed, LaunchError
 from taas.host import channel
 from taas.host.api import (SHOWN, CellDone, CellFailed, Ended, Hello, Interrupt, Metrics, Refused, Release,
                            Request, Returned, RunCell, Show, Welcome)
 from taas.jobs.store import JobError, Store
+from taas.supervisor.kept import fingerprint
 
 log = logging.getLogger(__name__)
+
+
+class Held:
+    """What the kept ranks' host holds of the notebook's values (as a kernel's kept ranks do,
+    :class:`taas.supervisor.kept.Kept`): a value it holds unchanged is not sent again, so a
+    cell that reads a big model the ranks have costs nothing for it."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple] = {}
+        self.sending: dict = {}  # the values the cell being sent carries
+
+    def lacking(self, values: dict) -> dict:
+        """``values`` less the ones held unchanged; remembered as being sent."""
+        self.sending = {k: v for k, v in values.items() if not self.holds(k, v)}
+        return self.sending
+
+    def holds(self, name: str, value) -> bool:
+        entry = self._held.get(name)
+        if entry is None:
+            return False
+        print_, ref = entry
+        # The weak reference rules out a new object that reuses a freed one's id.
+        return (ref is None or ref() is value) and print_ == fingerprint(value)
+
+    def remember(self, values: dict) -> None:
+        """The host holds ``values`` now (sent with a cell that ran, or brought back by it)."""
+        for name, value in values.items():
+            try:
+                ref = weakref.ref(value)
+            except TypeError:  # no weak references (ints, tuples...): its fingerprint says it all
+                ref = None
+            self._held[name] = (fingerprint(value), ref)
 
 
 class Adopted:
@@ -53,6 +87,7 @@ class Adopted:
                            f"taas: job {job_id}'s host answered {type(answer).__name__}")
         self.welcome: Welcome = answer
         self.ended: str | None = None  # the host's last word: the ranks ended
+        self.held = Held()
 
     def describe(self) -> str:
         w = self.welcome
@@ -96,6 +131,7 @@ class Adopted:
             elif isinstance(message, Metrics) and on_metrics is not None:
                 on_metrics(self.job, message.rank, [(step, values) for step, values in message.rows])
             elif isinstance(message, CellDone):
+                self.held.remember(self.held.sending)  # in the host's namespace now
                 return pickle.loads(body)
             elif isinstance(message, CellFailed):
                 raise _failure(message)

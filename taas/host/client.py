@@ -360,9 +360,11 @@ __all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel"
 
 
 def request_for(source: str, namespace: dict, options: str, *, filename: str, label: str | None,
-                first_line: int, hidden: frozenset = frozenset(), name_for=None) -> Request:
+                first_line: int, hidden: frozenset = frozenset(), name_for=None, held=None) -> Request:
     """The cell as a host's Request: everything that can refuse it before a host starts fails
-    here, as for an attached cell (a syntax error, a value that cannot be shipped)."""
+    here, as for an attached cell (a syntax error, a value that cannot be shipped).  ``held``
+    (adopted kept ranks, :class:`taas.host.adopt.Held`): the values their host already holds
+    as the notebook has them are left out, and the ones sent are noted there."""
     from taas.data import registry
     from taas.job import package
     from taas.session import read_cell
@@ -370,6 +372,8 @@ def request_for(source: str, namespace: dict, options: str, *, filename: str, la
 
     cwd = working_directory()
     _, values = read_cell(source, namespace, filename, first_line, hidden, name_for)
+    if held is not None:
+        values = held.lacking(values)
     loaders = {}
     for name, value in values.items():
         entry = registry.entry(value)

@@ -183,3 +183,21 @@ def test_a_failure_comes_back_as_the_cell_would_raise_it():
     assert isinstance(failed, JobFailed) and failed.rendered == ["Traceback", "ValueError: x"]
     refused = _failure(CellFailed("--gpus takes a number", [], "DirectiveError"))
     assert isinstance(refused, LaunchError) and str(refused) == "--gpus takes a number"
+
+
+def test_values_the_host_holds_unchanged_are_not_sent_again():
+    import torch
+
+    from taas.host.adopt import Held
+
+    held = Held()
+    model, small, other = torch.nn.Linear(2, 2), [1, 2], torch.zeros(3)
+    assert held.lacking({"model": model, "small": small}) == {"model": model, "small": small}
+    held.remember(held.sending)  # the cell ran: the host holds them
+    assert held.lacking({"model": model, "small": small, "other": other}) == {"other": other}
+    held.remember({"back": 5})  # brought back by a cell
+    with torch.no_grad():
+        model.weight.add_(1)  # changed in place: sent again
+    small.append(3)
+    assert held.lacking({"model": model, "small": small, "back": 5}) == {"model": model, "small": small}
+    assert held.lacking({"model": torch.nn.Linear(2, 2)}).keys() == {"model"}  # a new object
