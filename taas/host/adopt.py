@@ -120,23 +120,30 @@ class Adopted:
                 self._interrupt()
                 continue
             noted: list = []
-            with _noting(noted):  # a frame is read whole, or the stream loses its place
+            with _noting(noted):  # a frame read and shown whole, or the stream loses its place
                 message, body = self._next()
+                if isinstance(message, Show) and message.call in SHOWN:
+                    self._show(sink, message)
+                elif isinstance(message, Metrics) and on_metrics is not None:
+                    on_metrics(self.job, message.rank, [(step, values) for step, values in message.rows])
             if noted:
                 self._interrupt()
-            if isinstance(message, Show) and message.call in SHOWN:
-                show = getattr(sink, message.call, None)
-                if show is not None:
-                    show(*message.args)
-            elif isinstance(message, Metrics) and on_metrics is not None:
-                on_metrics(self.job, message.rank, [(step, values) for step, values in message.rows])
-            elif isinstance(message, CellDone):
+            if isinstance(message, CellDone):
                 self.held.remember(self.held.sending)  # in the host's namespace now
                 return pickle.loads(body)
-            elif isinstance(message, CellFailed):
+            if isinstance(message, CellFailed):
                 raise _failure(message)
-            elif isinstance(message, Ended):
+            if isinstance(message, Ended):
                 raise JobError(message.line)
+
+    def _show(self, sink, message: Show) -> None:
+        show = getattr(sink, message.call, None)
+        if show is None:
+            return
+        try:
+            show(*message.args)
+        except Exception as exc:  # a call this sink cannot show costs itself, never the stream
+            log.debug("job %s: %s(...) not shown: %r", self.job, message.call, exc)
 
     def _interrupt(self) -> None:
         try:

@@ -34,7 +34,8 @@ class ProtocolError(Exception):
 
 
 def send(sock: socket.socket, message, body: bytes = b"") -> None:
-    header = json.dumps({**message.__dict__, "kind": type(message).__name__}).encode()
+    # default=str: a display's value JSON cannot carry shows as its text, never fails the cell
+    header = json.dumps({**message.__dict__, "kind": type(message).__name__}, default=str).encode()
     frame = _HEAD.pack(len(header), len(body)) + header
     if len(body) < 1 << 16:  # one write for a small frame; a big body is not copied
         sock.sendall(frame + body)
