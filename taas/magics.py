@@ -298,6 +298,9 @@ class TaasMagics(Magics):
         store = store or Store()
         try:
             job_id = store.resolve(job_id) if job_id else _default_job(store)
+            if self.adopted is not None and self.adopted.job == job_id and self.adopted.gone() is None:
+                print(f"taas: job {job_id}'s kept ranks are this notebook's already; %taas release ends them")
+                return None
             sink = self._sink() or TerminalSink()
             try:
                 record = client.follow(store, job_id, sink, latest=client.LATEST if latest is None else latest,

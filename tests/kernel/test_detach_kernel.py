@@ -349,6 +349,8 @@ def test_kept_ranks_outlive_the_kernel_and_a_new_kernel_adopts_them(workdir, hom
 def test_a_killed_host_of_kept_ranks_ends_them_and_reads_lost(kernel, home):
     job, tree = kept_job(kernel, home)
     adopt(kernel, job)
+    again = kernel.run(f"%taas attach {job}")
+    assert again.stdout.strip() == f"taas: job {job}'s kept ranks are this notebook's already; %taas release ends them"
     tree[0].send_signal(signal.SIGKILL)
     assert wait_until_gone([p.pid for p in tree]) == []  # no orphan ranks: gone within 5 s
     assert kernel.run("%taas jobs").stdout.count(f"{job} lost:") == 1
