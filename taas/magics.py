@@ -149,6 +149,10 @@ class TaasMagics(Magics):
         """``%unload_ext``: let the warm job host go (a host with a job goes on), and adopted kept
         ranks (they wait for the next kernel, until their idle limit)."""
         self.hosts.close()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Close this kernel's hold on adopted kept ranks (they wait for the next kernel)."""
         if self.adopted is not None:
             self.adopted.close()
             self.adopted = None
@@ -233,34 +237,26 @@ class TaasMagics(Magics):
         """Whether the adopted kept ranks wait for this cell; if they ended meanwhile (their idle
         limit, a cancel), one line says so and the cell runs here as any other."""
         gone = self.adopted.gone()
-        if gone is None:
-            return True
-        self.adopted.close()
-        self.adopted = None
-        write_note(sink, f"{gone}; this cell starts fresh ranks", WARN)
-        return False
+        if gone is not None:
+            self._let_go()
+            write_note(sink, f"{gone}; this cell starts fresh ranks", WARN)
+        return gone is None
 
     def _on_adopted(self, line: str, cell: str, filename: str, sink):
         """A cell on adopted kept ranks: sent to their host, shown here as it runs; rank 0's
         names and Out[] land here as for a kept cell."""
-        from taas.host import client
+        from taas.host import adopt
         from taas.session import job_metrics
 
         sink = sink or TerminalSink()
         try:
-            request = client.request_for(cell, self.shell.user_ns, line, filename=filename,
-                                         label=self._name_for(filename), first_line=2,
-                                         hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for,
-                                         held=self.adopted.held)
-            returned = self.adopted.run(request, sink, getattr(sink, "updates_in_place", True),
-                                        on_metrics=job_metrics.HISTORY.add)
-        except (*_BEFORE_LAUNCH, client.JobError) as exc:
+            loaded = adopt.run_cell(self.adopted, cell, self.shell.user_ns, line, sink, filename=filename,
+                                    label=self._name_for(filename), hidden=frozenset(self.shell.user_ns_hidden),
+                                    name_for=self._name_for, on_metrics=job_metrics.HISTORY.add)
+        except (*_BEFORE_LAUNCH, adopt.JobError) as exc:
             if self.adopted.ended is not None:  # the ranks ended under the cell: not ours any more
-                self.adopted.close()
-                self.adopted = None
+                self._let_go()
             raise UsageError(str(exc)) from None
-        loaded = client.load(returned)
-        self.adopted.held.remember(loaded[0])  # the host holds what came back, as the notebook does
         return self._land(loaded, sink)
 
     def _land(self, loaded, sink):
@@ -277,8 +273,7 @@ class TaasMagics(Magics):
         from taas.host import adopt, client
 
         adopted = adopt.Adopted(store, job_id, os.environ.get("JPY_SESSION_NAME", ""))
-        if self.adopted is not None:
-            self.adopted.close()
+        self._let_go()
         local = self.session.release(sink)
         if local:
             write_note(sink, f"{local}: this notebook's kept ranks are job {job_id}'s from now on", WARN)

@@ -220,6 +220,20 @@ def _failure(message: CellFailed) -> BaseException:
     return LaunchError(message.summary)
 
 
+def run_cell(adopted: Adopted, source: str, namespace: dict, options: str, sink, *, filename: str,
+             label: str | None, hidden: frozenset, name_for, on_metrics=None) -> tuple:
+    """A notebook cell on ``adopted`` kept ranks, shown on ``sink`` as it runs: rank 0's names,
+    Out[], has_out and notes (:func:`taas.host.client.load`); the host holds what it sent and
+    what came back, so neither is sent again while unchanged."""
+    from taas.host import client
+
+    request = client.request_for(source, namespace, options, filename=filename, label=label, first_line=2,
+                                 hidden=hidden, name_for=name_for, held=adopted.held)
+    loaded = client.load(adopted.run(request, sink, getattr(sink, "updates_in_place", True), on_metrics))
+    adopted.held.remember(loaded[0])
+    return loaded
+
+
 def first_cell(store: Store, job_id: str) -> Returned | None:
     """A kept job's first cell, once, for the notebook that adopts its ranks: rank 0's names
     and Out[] (None when another notebook took them), or its failure raised."""
