@@ -91,6 +91,9 @@ class KeptHost:
             channel.send(conn, Welcome(job, world.size if world else 0, world.device if world else "",
                                        world.backend if world else ""))
         except (OSError, EOFError, channel.ProtocolError, PermissionError):
+            with self._lock:
+                if self.holder is conn:  # it went before it was welcome: nobody holds the ranks
+                    self.holder, self.who = None, ""
             with contextlib.suppress(OSError):
                 conn.close()
             return

@@ -106,7 +106,13 @@ def main() -> int:
         if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
             store.write(record)
             _tell(channel, Running(record.id, ended=True))
-            record = KeptHost(session, store, record, namespace, sink).serve()
+            try:
+                kept = KeptHost(session, store, record, namespace, sink)
+            except OSError as exc:  # no socket: no notebook could adopt them, so they end now
+                session.release()
+                record = record.replace(state=State.DONE, cause=f"its kept ranks could not be served: {exc}")
+            else:
+                record = kept.serve()
     finally:
         # The job is over: a cancel now must not cut the writing of its end short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
