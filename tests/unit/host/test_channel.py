@@ -121,7 +121,18 @@ class _Session:
         return "taas: released the kept ranks (2 on cpu/gloo)"
 
 
-def test_one_kernel_adopts_at_a_time_and_release_ends_the_host(tmp_path):
+@pytest.fixture
+def signals():
+    """The host sets SIGTERM and SIGINT handlers for its life (it exits after): put them back."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_one_kernel_adopts_at_a_time_and_release_ends_the_host(tmp_path, signals):
     store = Store(tmp_path / "jobs")
     record = make_record("a1b2c3", State.KEPT, keep=True)
     store.create(record)
