@@ -125,7 +125,7 @@ def _run(store: Store, args) -> int:
         return 130
     view.close()
     print(_ending(store, record), file=sys.stderr)
-    return 0 if record.state.value == "done" else 1
+    return 0 if record.state.value in ("done", "kept") else 1
 
 
 def _ending(store: Store, record) -> str:
@@ -133,6 +133,9 @@ def _ending(store: Store, record) -> str:
         waiting = " (rank 0's results wait for a notebook: %taas attach " + record.id + ")" \
             if record.has_results and record.taken is None else ""
         return f"taas: job {record.id} done{waiting}"
+    if record.state.value == "kept":
+        return (f"taas: job {record.id}'s cell ended; its kept ranks wait for a notebook: "
+                f"%taas attach {record.id} makes them its kept ranks (taas cancel {record.id} ends them)")
     try:
         client.raise_failure(store, record)
     except RenderedError as exc:

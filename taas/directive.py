@@ -220,7 +220,9 @@ _PARSER.add_argument("--fresh", action="store_true",
 _PARSER.add_argument("--detach", action="store_true",
                      help="run the job outside the kernel: the cell returns once the ranks run, "
                      "naming the job; it goes on if the kernel restarts or dies. Follow it with "
-                     "%%taas attach ID (its output, then its results) or `taas attach ID` in a terminal")
+                     "%%taas attach ID (its output, then its results) or `taas attach ID` in a terminal. "
+                     "With --keep the kept ranks outlive the kernel too: %%taas attach ID makes them "
+                     "this notebook's kept ranks")
 _PARSER.add_argument("--no-wait", action="store_true",
                      help="when other jobs on this machine hold the GPUs this job needs, fail at "
                      "once, saying who holds them, instead of waiting in line for them")
@@ -258,9 +260,6 @@ def parse_options(argline: str) -> JobOptions:
     if ns.keep is not None and ns.max_restarts:
         raise DirectiveError("--keep cannot be combined with --max-restarts: a restart cannot "
                              "bring the kept state back")
-    if ns.detach and ns.keep is not None:
-        raise DirectiveError("--detach with --keep is not supported yet: run the kept cells "
-                             "attached, or detach a one-cell job")
     return JobOptions(**vars(ns))
 
 

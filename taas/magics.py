@@ -167,6 +167,7 @@ class TaasMagics(Magics):
         from taas.host.spares import Hosts
 
         self.hosts = Hosts()  # a warm job host for the next --detach (none started yet)
+        self.adopted = None  # a kept detached job's ranks this kernel adopted (taas.host.adopt)
 
     def warm(self) -> None:
         """Start a job host ahead of the first ``--detach`` (unless ``TAAS_WARM_HOST=0``), so that
@@ -180,8 +181,16 @@ class TaasMagics(Magics):
                 pass
 
     def close(self) -> None:
-        """``%unload_ext``: let the warm job host go (a host with a job goes on)."""
+        """``%unload_ext``: let the warm job host go (a host with a job goes on), and adopted kept
+        ranks (they wait for the next kernel, until their idle limit)."""
         self.hosts.close()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Close this kernel's hold on adopted kept ranks (they wait for the next kernel)."""
+        if self.adopted is not None:
+            self.adopted.close()
+            self.adopted = None
 
     @line_cell_magic
     def taas(self, line: str, cell: str | None = None):
@@ -201,6 +210,8 @@ class TaasMagics(Magics):
         sink = self._sink()
         if options.detach:
             return self._detach(line, cell, source, options, filename, sink)
+        if self.adopted is not None and not options.cluster and self._still_adopted(sink):
+            return self._on_adopted(line, cell, source, filename, sink)
         try:
             result = self.session.run_cell(
                 source, shell.user_ns, options, filename=filename, first_line=2, sink=sink,
@@ -258,6 +269,56 @@ class TaasMagics(Magics):
               f"or taas attach {record.id} in a terminal")
         return None
 
+    def _still_adopted(self, sink) -> bool:
+        """Whether the adopted kept ranks wait for this cell; if they ended meanwhile (their idle
+        limit, a cancel), one line says so and the cell runs here as any other."""
+        gone = self.adopted.gone()
+        if gone is not None:
+            self._let_go()
+            write_note(sink, f"{gone}; this cell starts fresh ranks", WARN)
+        return gone is None
+
+    def _on_adopted(self, line: str, cell: str, source: str, filename: str, sink):
+        """A cell on adopted kept ranks: sent to their host, shown here as it runs; rank 0's
+        names and Out[] land here as for a kept cell."""
+        from taas.host import adopt
+        from taas.session import job_metrics
+
+        sink = sink or TerminalSink()
+        try:
+            loaded = adopt.run_cell(self.adopted, source, self.shell.user_ns, line, sink, filename=filename, text=cell,
+                                    label=self._name_for(filename), hidden=frozenset(self.shell.user_ns_hidden),
+                                    name_for=self._name_for, on_metrics=job_metrics.HISTORY.add)
+        except (*_BEFORE_LAUNCH, adopt.JobError) as exc:
+            if self.adopted.ended is not None:  # the ranks ended under the cell: not ours any more
+                self._let_go()
+            raise UsageError(str(exc)) from None
+        return self._land(loaded, sink)
+
+    def _land(self, loaded, sink):
+        """Rank 0's names into the notebook, their notes, and Out[]."""
+        values, out, has_out, notes = loaded
+        self.shell.user_ns.update(values)
+        for note in notes:
+            write_note(sink, note, WARN)
+        return out if has_out else None
+
+    def _adopt(self, store, job_id: str, sink):
+        """``%taas attach`` on a kept job: its ranks become this notebook's kept ranks (this
+        kernel's own kept ranks are released first); then its first cell's results land, once."""
+        from taas.host import adopt, client
+
+        adopted = adopt.Adopted(store, job_id, os.environ.get("JPY_SESSION_NAME", ""))
+        self._let_go()
+        local = self.session.release(sink)
+        if local:
+            write_note(sink, f"{local}: this notebook's kept ranks are job {job_id}'s from now on", WARN)
+        self.adopted = adopted
+        print(f"taas: job {job_id}'s kept ranks ({adopted.describe()}) are this notebook's now: the next "
+              "taas cells run on them; %taas release ends them")
+        returned = adopt.first_cell(store, job_id)
+        return None if returned is None else self._land(client.load(returned), sink)
+
     def _attach(self, job_id: str | None, store=None, latest: int | None = None):
         """``%taas attach [ID]``: the job's output so far, then live; at its end rank 0's names
         and Out[] land here, or its failure is raised.  An interrupt detaches."""
@@ -268,6 +329,9 @@ class TaasMagics(Magics):
         store = store or Store()
         try:
             job_id = store.resolve(job_id) if job_id else _default_job(store)
+            if self.adopted is not None and self.adopted.job == job_id and self.adopted.gone() is None:
+                print(f"taas: job {job_id}'s kept ranks are this notebook's already; %taas release ends them")
+                return None
             sink = self._sink() or TerminalSink()
             try:
                 record = client.follow(store, job_id, sink, latest=client.LATEST if latest is None else latest,
@@ -275,15 +339,14 @@ class TaasMagics(Magics):
             except KeyboardInterrupt:
                 print(f"taas: detached from job {job_id}; it goes on (%taas attach {job_id} follows it again)")
                 return None
-            if record.state.value != "done":
+            if record.state.value == "kept":  # its cell ended; its ranks wait to be adopted
+                return self._adopt(store, job_id, sink)
+            # A kept job's first cell ended well even if its ranks were cancelled or lost later.
+            if record.state.value != "done" and not (record.keep and record.has_results and record.taken is None):
                 client.raise_failure(store, record)
-            values, out, has_out, notes = client.load(client.take(store, record))
+            return self._land(client.load(client.take(store, record)), sink)
         except client.JobError as exc:
             raise UsageError(str(exc)) from None
-        self.shell.user_ns.update(values)
-        for note in notes:
-            write_note(sink, note, WARN)
-        return out if has_out else None
 
     def _jobs(self, words: list[str]) -> None:
         """``%taas jobs | attach [ID] | cancel ID | forget ID | logs ID``."""
@@ -329,6 +392,10 @@ class TaasMagics(Magics):
                 address, settings = _cluster_words(words[1:])
                 print("\n".join(self.session.use_cluster(address, **settings)))
                 return
+            if words == ["release"] and self.adopted is not None:  # adopted kept ranks: their host's
+                adopted, self.adopted = self.adopted, None
+                print(adopted.release())
+                return
             if words == ["release"]:  # end the kept ranks (--keep)
                 print(self.session.release(NotebookSink() if getattr(self.shell, "kernel", None)
                                            is not None else None) or "taas: no kept ranks")
@@ -340,6 +407,9 @@ class TaasMagics(Magics):
                                  "'attach [ID]', 'cancel ID', 'forget ID' or 'logs ID', "
                                  f"got {line.strip()!r}")
             print(status.render(self.session))
+            if self.adopted is not None:
+                print(f"adopted kept ranks: job {self.adopted.job}, {self.adopted.describe()}, run by its "
+                      "job host (%taas release ends them)")
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
 

@@ -11,6 +11,11 @@ holds its record's lock for its life: when it dies, its launcher's guard ends th
 kernel's death does today) and the record reads ``lost``.  A kernel, a second notebook or a
 terminal (:mod:`taas.cli`) are viewers: they read the record, never the host's memory.
 
+With ``--keep --detach`` the ranks stay after the cell and the host serves them on a socket in
+the record folder (kept.py, channel.py): one kernel at a time adopts them, proving the job's
+secret (adopt.py), and sends its later cells there; their output streams back as it happens.
+
 May import: taas.session (the host runs a Session), taas.jobs, taas.job, taas.io, taas.data,
-taas.directive, taas.errors.
+taas.directive, taas.workdir, taas.errors, and taas.supervisor (kept ranks' value fingerprints,
+so that an adopting kernel sends only what their host lacks).
 """

@@ -8,6 +8,20 @@
   the cell's own lines), so that an attaching notebook shows what the cell would have shown.
 * On the host's socket, while the kernel that started it waits: :class:`Take` (run this job),
   :class:`Running` (its ranks run).
+* On a kept job's socket (``--keep --detach``; :mod:`taas.host.channel` frames them), between
+  the host and the one kernel that adopted its kept ranks::
+
+      kernel                                   host
+      Hello(token, pid, notebook)  ──────>     the secret checked first (hmac.compare_digest)
+                                   <──────     Welcome(job, ranks, ...) or Refused(line)
+      RunCell(in_place) + Request  ──────>     the cell on the kept ranks (Session.run_cell)
+                                   <──────     Show(call, args)*: each Sink call, as it happens
+      Interrupt (Ctrl-C)           ──────>     the cell interrupted, the ranks stay
+                                   <──────     CellDone + Returned, or CellFailed
+      Release                      ──────>     the ranks ended:  <── Ended(line), the host exits
+
+  ``Ended`` also comes unasked when the ranks end while no cell runs (their idle limit, a
+  cancel); ``Metrics(rank, rows)``: a ``taas.log`` call's rows, for the kernel's ``taas.metrics()``.
 """
 
 from __future__ import annotations
@@ -62,6 +76,97 @@ class Running:
 
     job: str
     ended: bool = False
+
+
+# -- a kept job's socket (--keep --detach) -----------------------------------------------------
+SOCKET = "kept.sock"  # in the record folder (0700), itself 0600
+SECRET = "secret"  # the per-job token, 0600: whoever reads it may adopt the kept ranks
+
+
+@dataclass(frozen=True)
+class Hello:
+    """kernel -> host, first on every connection: the job's secret, and who asks."""
+
+    token: str
+    pid: int
+    notebook: str = ""
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """host -> kernel: the kept ranks are this kernel's now."""
+
+    job: str
+    ranks: int
+    device: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """host -> kernel: not adopted, and why (one line)."""
+
+    line: str
+
+
+@dataclass(frozen=True)
+class RunCell:
+    """kernel -> host: run the cell (a pickled :class:`Request` follows as the frame's body);
+    ``in_place``: the notebook's front end shows displays updated in place."""
+
+    in_place: bool = True
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """kernel -> host: interrupt the cell running now (not the ranks' life)."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """kernel -> host: end the kept ranks (``%taas release``); the host answers :class:`Ended`."""
+
+
+@dataclass(frozen=True)
+class Show:
+    """host -> kernel: one call of the Sink protocol (write, progress, display, live, panel)."""
+
+    call: str
+    args: list
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """host -> kernel: rank ``rank``'s new ``taas.log`` rows ([step, values] pairs)."""
+
+    rank: int
+    rows: list
+
+
+@dataclass(frozen=True)
+class CellDone:
+    """host -> kernel: the cell ended well; a pickled :class:`Returned` is the frame's body."""
+
+
+@dataclass(frozen=True)
+class CellFailed:
+    """host -> kernel: the cell raised; what the notebook shows (as :class:`Failure`)."""
+
+    summary: str
+    rendered: list
+    error: str  # the exception's class name: JobFailed, KeyboardInterrupt, LaunchError...
+
+
+@dataclass(frozen=True)
+class Ended:
+    """host -> kernel: the kept ranks ended (released, their idle limit, a cancel); the host exits."""
+
+    line: str
+
+
+WIRE = {kind.__name__: kind for kind in (Hello, Welcome, Refused, RunCell, Interrupt, Release, Show,
+                                         Metrics, CellDone, CellFailed, Ended)}
+SHOWN = frozenset({"write", "progress", "display", "live", "panel"})  # the Sink calls Show may name
 
 
 def encode(message: Take | Running) -> bytes:

@@ -251,13 +251,13 @@ def _latest(items: list[dict], budget: int) -> list[dict]:
 
 def follow(store: Store, job_id: str, sink, *, latest: int | None = LATEST,
            on_metrics: Callable | None = None) -> JobRecord:
-    """Show job ``job_id`` from its latest output, then live, until it ends: its final record.
-    KeyboardInterrupt leaves the job running (the caller says so)."""
+    """Show job ``job_id`` from its latest output, then live, until it ends (a kept job: until its
+    cell ends and the ranks wait): its record then.  KeyboardInterrupt leaves the job running (the caller says so)."""
     follower = Follower(store, job_id, sink, latest=latest, on_metrics=on_metrics)
     while True:
         follower.step()
         record = store.read(job_id)
-        if record.state.final:
+        if record.state.final or record.state is State.KEPT:  # kept: its cell ended, the ranks wait
             follower.finish()
             return record
         time.sleep(POLL)
@@ -361,10 +361,12 @@ __all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel"
 
 
 def request_for(source: str, namespace: dict, options: str, *, filename: str, label: str | None,
-                first_line: int, hidden: frozenset = frozenset(), name_for=None,
+                first_line: int, hidden: frozenset = frozenset(), name_for=None, held=None,
                 text: str | None = None) -> Request:
     """The cell as a host's Request: everything that can refuse it before a host starts fails
-    here, as for an attached cell (a syntax error, a value that cannot be shipped)."""
+    here, as for an attached cell (a syntax error, a value that cannot be shipped).  ``held``
+    (adopted kept ranks, :class:`taas.host.adopt.Held`): the values their host already holds
+    as the notebook has them are left out, and the ones sent are noted there."""
     from taas.data import registry
     from taas.job import package
     from taas.session import read_cell
@@ -372,6 +374,8 @@ def request_for(source: str, namespace: dict, options: str, *, filename: str, la
 
     cwd = working_directory()
     _, values = read_cell(source, namespace, filename, first_line, hidden, name_for)
+    if held is not None:
+        values = held.lacking(values)
     loaders = {}
     for name, value in values.items():
         entry = registry.entry(value)

@@ -25,14 +25,13 @@ import signal
 import socket
 import sys
 import time
-import traceback
 
-import cloudpickle
 import psutil
 
-from taas import directive
-from taas.errors import JobFailed, RenderedError, TaasError
-from taas.host.api import FAILURE, Failure, Request, Returned, Running, Take, decode, encode
+from taas.errors import TaasError
+from taas.host.api import FAILURE, Failure, Request, Running, Take, decode, encode
+from taas.host.cells import cause_of, failure_of, run_request
+from taas.host.kept import KeptHost
 from taas.host.sink import RecordSink
 from taas.jobs import api as records
 from taas.jobs.api import State
@@ -101,8 +100,20 @@ def main() -> int:
     os.chdir(request.cwd)
     out = LogWriter(folder)
     sink = RecordSink(folder, out, LogWriter(folder, part=records.METRICS))
+    namespace: dict = {}  # the notebook's values as the host has them (kept cells read them too)
     try:
-        record = _run(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)))
+        record = _run(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)),
+                      namespace)
+        if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
+            store.write(record)
+            _tell(channel, Running(record.id, ended=True))
+            try:
+                kept = KeptHost(session, store, record, namespace, sink)
+            except OSError as exc:  # no socket: no notebook could adopt them, so they end now
+                session.release()
+                record = record.replace(state=State.DONE, cause=f"its kept ranks could not be served: {exc}")
+            else:
+                record = kept.serve()
     finally:
         # The job is over: a cancel now must not cut the writing of its end short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -136,14 +147,13 @@ def _tell(channel: socket.socket, message: Running) -> None:
         pass
 
 
-def _run(session, store: Store, record, request: Request, sink: RecordSink, running):
-    """The job, to its end, on ``session``; its final record (``running()``: once the ranks run)."""
+def _run(session, store: Store, record, request: Request, sink: RecordSink, running, namespace: dict):
+    """The job, to its end, on ``session``; its final record (``running()``: once the ranks run).
+    A ``--keep`` job whose ranks stay afterwards reads KEPT (its cell's outcome in the folder)."""
     from taas.data import registry
-    from taas.job import package
     from taas.job.metrics import HISTORY
     from taas.session import WARN, write_note
 
-    namespace: dict = {}
     registry.set_namespace_source(lambda: namespace)
     started = {"done": False}
 
@@ -158,50 +168,21 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
 
     session.on_state = on_state
     HISTORY.observers.append(sink.metrics)
+    kept = State.KEPT
     try:
-        # One namespace shared with the shipped functions, as in a rank (package.unship).
-        namespace.update(package.unship(request.names))
-        for name, (prefetch, buffer_mb) in request.loaders.items():
-            registry.register(namespace[name], prefetch=prefetch, buffer_mb=buffer_mb)
-        options = dataclasses.replace(directive.parse_options(request.options), detach=False)
-        log.debug("running the cell")
-        result = session.run_cell(
-            request.source, namespace, options, filename=request.filename, first_line=request.first_line,
-            sink=sink, name_for=lambda name: request.label if name == request.filename else None,
-            text=request.text)
-        log.debug("the cell ended")
-        values, notes = {}, list(result.notes)
-        for name, value in result.values.items():
-            try:
-                values[name] = cloudpickle.dumps(value)
-            except Exception as exc:  # one value that cannot be kept costs itself, not the others
-                notes.append(f"taas: `{name}` ({type(value).__name__}) could not be kept for the "
-                             f"notebook: {exc}")
-        out = None
-        if result.has_out:
-            try:
-                out = cloudpickle.dumps(result.out)
-            except Exception as exc:  # the same for Out[]
-                notes.append(f"taas: Out[] ({type(result.out).__name__}) could not be kept: {exc}")
-        for line in notes:
-            write_note(sink, line, WARN)
-        write_file(store.folder(record.id) / records.RESULTS, pickle.dumps(
-            Returned(values, out, result.has_out and out is not None, tuple(notes))))
-        return _now(store, record).replace(state=State.DONE, has_results=True)
+        returned = run_request(session, namespace, request, sink)
+        write_file(store.folder(record.id) / records.RESULTS, pickle.dumps(returned))
+        return _now(store, record).replace(state=kept if session.kept else State.DONE, has_results=True,
+                                           keep=session.kept is not None)
     except KeyboardInterrupt:
         write_note(sink, f"taas: job {record.id} cancelled: every process stopped", WARN)
         return _now(store, record).replace(state=State.CANCELLED, cause="cancelled")
-    except RenderedError as exc:
-        _failed(store, record, Failure(exc.summary, tuple(exc.rendered), type(exc).__name__))
-        return _now(store, record).replace(state=State.FAILED, cause=_cause(exc))
-    except TaasError as exc:
-        _failed(store, record, Failure(str(exc), (), type(exc).__name__))
-        return _now(store, record).replace(state=State.FAILED, cause=str(exc))
     except BaseException as exc:  # the record must say why, whatever it was
-        lines = traceback.format_exception(exc)
-        _failed(store, record, Failure(f"{type(exc).__name__}: {exc}", tuple(lines), type(exc).__name__))
-        return _now(store, record).replace(state=State.FAILED, cause=f"{type(exc).__name__}: {exc}")
+        _failed(store, record, failure_of(exc))
+        return _now(store, record).replace(state=kept if session.kept else State.FAILED, cause=cause_of(exc),
+                                           keep=session.kept is not None)
     finally:
+        session.on_state = None
         HISTORY.observers.remove(sink.metrics)
 
 
@@ -211,12 +192,6 @@ def _now(store: Store, record):
         return store.read(record.id)
     except TaasError:
         return record
-
-
-def _cause(exc: RenderedError) -> str:
-    if isinstance(exc, JobFailed):
-        return exc.summary
-    return exc.summary.splitlines()[0] if exc.summary else type(exc).__name__
 
 
 def _failed(store: Store, record, failure: Failure) -> None:

@@ -1,6 +1,9 @@
 """The job record's contract: its states, its fields, where records live.
 
     WAITING ──> RUNNING ──┬─> DONE        rank 0's results wait in the record until taken
+       │                  ├─> KEPT        --keep: the first cell ended (its results or failure
+       │                  │      │        wait), the ranks stay for a notebook to adopt them;
+       │                  │      └──────> DONE (released, idle limit), CANCELLED, LOST
        │                  ├─> FAILED      the root cause in one line (``cause``), its traceback kept
        │                  ├─> CANCELLED   ``taas cancel`` / ``%taas cancel``: every process stopped
        └──────────────────┴─> LOST        the host ended without a word (killed, the machine
@@ -37,6 +40,7 @@ MAX_AGE = 14 * 86400
 class State(str, enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    KEPT = "kept"  # --keep --detach: the ranks wait between cells (taas.host.kept)
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -44,7 +48,7 @@ class State(str, enum.Enum):
 
     @property
     def final(self) -> bool:
-        return self not in (State.WAITING, State.RUNNING)
+        return self not in (State.WAITING, State.RUNNING, State.KEPT)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def render(items: list[Listed], now: float | None = None) -> str:
             continue
         end = record.ended if record.ended is not None and record.state.final else now
         state = record.state.value
-        if record.state is State.DONE and record.has_results and record.taken is None:
+        if record.state in (State.DONE, State.KEPT) and record.has_results and record.taken is None:
             state += " (results waiting)"
         rows.append((record.id, state, str(record.ranks or ""), record.where,
                      time.strftime("%m-%d %H:%M", time.localtime(record.started)),

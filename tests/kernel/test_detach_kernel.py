@@ -255,9 +255,127 @@ def test_bad_ids_are_one_line_each(kernel, home):
         assert len(lines) == 1 and lines[0].startswith("UsageError: ") and expected in lines[0], run.stderr
 
 
-def test_keep_with_detach_is_refused_before_anything_starts(kernel):
-    run = kernel.run("%%taas --gpus 2 --detach --keep\npass")
-    assert run.stderr.strip().startswith("UsageError: --detach with --keep is not supported yet")
+def kept_job(kernel, home) -> tuple[str, list[psutil.Process]]:
+    """A ``--keep --detach`` job whose ranks hold ``state`` (rank * 10) and rank 0's ``first``."""
+    job = job_of(kernel.run(cell("""
+        %%taas --gpus 2 --keep --detach
+        import torch.distributed as dist
+        state = dist.get_rank() * 10
+        print("first cell", dist.get_rank(), flush=True)
+        first = "from the first cell"
+        """)))
+    wait_for(lambda: record(home, job)["state"] == "kept", what="the first cell's end")
+    return job, host_tree(home, job)
+
+
+def adopt(kernel, job: str):
+    run = kernel.run(f"%taas attach {job}")
+    assert run.error is None, run.traceback + run.stderr
+    assert f"job {job}'s kept ranks (2 on cpu/gloo) are this notebook's now" in run.stdout, run.stdout
+    return run
+
+
+def test_kept_ranks_outlive_the_kernel_and_a_new_kernel_adopts_them(workdir, home, kernel, tmp_path):
+    from taas.host import adopt as adoption
+    from taas.host import channel
+    from taas.host.api import Hello, Refused
+    from taas.jobs.store import JobError, Store
+
+    shm_before = shm_entries()
+    first = start_kernel(workdir, home)
+    try:
+        job, tree = kept_job(first, home)
+        os.kill(first.pid, signal.SIGKILL)  # the kernel that started it dies
+        wait_until_gone([first.pid])
+    finally:
+        first.shutdown()
+    assert all(p.is_running() for p in tree) and len(ranks_of(tree)) == 2
+    second = start_kernel(workdir, home)
+    try:
+        run = adopt(second, job)  # the first cell's output and names land here
+        shown = run.stdout.replace("[rank0-1] first cell", "first cell 0 first cell 1")
+        assert "first cell 0" in shown and "first cell 1" in shown, run.stdout
+        assert second.run("print(first)").stdout.strip() == "from the first cell"
+        # One kernel at a time: another attach says who holds the ranks; a wrong secret is refused.
+        with pytest.raises(JobError, match=f"held by kernel pid {second.pid} \\({NOTEBOOK}\\)"):
+            adoption.Adopted(Store(home / "jobs"), job)
+        sock = channel.connect(home / "jobs" / job)
+        channel.send(sock, Hello("0" * 64, os.getpid()))
+        answer, _ = channel.recv(sock)
+        assert isinstance(answer, Refused) and "wrong secret" in answer.line
+        sock.close()
+        run = second.run(cell("""
+            %%taas --keep
+            print("state", state, flush=True)
+            later = state + 1
+            """))
+        assert run.error is None, run.traceback
+        assert "[rank0] state 0" in run.stdout and "[rank1] state 10" in run.stdout, run.stdout
+        assert second.run("print(later)").stdout.strip() == "1"  # rank 0's names land here
+        # An interrupt interrupts the kept cell, not the ranks' life.
+        go = tmp_path / "never"
+        msg = second.execute(cell(f"""
+            %%taas
+            import os, time
+            print("waiting", flush=True)
+            while not os.path.exists({str(go)!r}):
+                time.sleep(0.02)
+            """))
+        while True:
+            message = second.kc.get_iopub_msg(timeout=120)
+            if message["parent_header"].get("msg_id") == msg and message["msg_type"] == "stream" \
+                    and "waiting" in message["content"]["text"]:
+                break
+        second.km.interrupt_kernel()
+        reply = second.reply(msg)
+        assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        assert "the kept ranks and their state stay" in "\n".join(reply["content"]["traceback"])
+        os.kill(second.pid, signal.SIGKILL)  # the adopting kernel dies: the ranks wait
+        wait_until_gone([second.pid])
+    finally:
+        second.shutdown()
+    assert all(p.is_running() for p in tree)
+    adopt(kernel, job)  # adopted again, by the module's kernel
+    run = kernel.run("%%taas\nprint('again', state + 2, flush=True)")
+    assert run.error is None and "[rank1] again 12" in run.stdout, run.stdout + run.stderr
+    run = kernel.run("%taas release")
+    assert run.stdout.strip() == f"taas: released the kept ranks (2 on cpu/gloo) of job {job}", run.stdout
+    assert wait_until_gone([p.pid for p in tree]) == []  # the host and every rank
+    assert record(home, job)["state"] == "done"
+    assert not (home / "jobs" / job / "kept.sock").exists() and not (home / "jobs" / job / "secret").exists()
+    assert unmapped_shm(shm_entries() - shm_before) == set()
+
+
+def test_a_killed_host_of_kept_ranks_ends_them_and_reads_lost(kernel, home):
+    job, tree = kept_job(kernel, home)
+    adopt(kernel, job)
+    again = kernel.run(f"%taas attach {job}")
+    assert again.stdout.strip() == f"taas: job {job}'s kept ranks are this notebook's already; %taas release ends them"
+    tree[0].send_signal(signal.SIGKILL)
+    assert wait_until_gone([p.pid for p in tree]) == []  # no orphan ranks: gone within 5 s
+    assert kernel.run("%taas jobs").stdout.count(f"{job} lost:") == 1
+    run = kernel.run("%%taas --gpus 1\nprint('here')")  # the adopted ranks are gone: said once
+    assert run.error is None and "host ended without a word" in run.stderr and "here" in run.stdout, \
+        run.stdout + run.stderr
+
+
+def test_cancel_ends_kept_ranks_and_their_host(kernel, home):
+    job, tree = kept_job(kernel, home)
+    run = kernel.run(f"%taas cancel {job}")
+    assert run.stdout.strip() == f"taas: job {job} cancelled", run.stdout + run.stderr
+    assert wait_until_gone([p.pid for p in tree]) == []
+    assert not (home / "jobs" / job / "kept.sock").exists()
+    run = kernel.run(f"%taas attach {job}")  # the first cell's results still land, once
+    assert run.error is None and kernel.run("print(first)").stdout.strip() == "from the first cell"
+
+
+def test_kept_ranks_end_at_their_idle_limit_and_the_record_says_done(kernel, home):
+    job = job_of(kernel.run("%%taas --gpus 2 --keep 2s --detach\nx = 1"))
+    tree = host_tree(home, job)
+    wait_for(lambda: record(home, job)["state"] == "done", what="the idle limit")
+    assert record(home, job)["cause"] == "the kept ranks were released after their idle limit (--keep 2s)"
+    assert wait_until_gone([p.pid for p in tree]) == []
+    assert not (home / "jobs" / job / "kept.sock").exists()
 
 
 def test_records_are_private(home):

@@ -68,7 +68,7 @@ ROOMS: dict[str, set[str]] = {
     # that runs one with a Session of its own (and the viewer's side of it), the terminal face.
     "taas.jobs": {"taas.errors", "taas.io"},
     "taas.host": {"taas.errors", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
-                  "taas.directive", "taas.workdir"},
+                  "taas.directive", "taas.workdir", "taas.supervisor"},
     "taas.cli": {"taas.errors", "taas.host", "taas.jobs", "taas.leases"},
     # The notebook face.
     "taas.status": {"taas.session", "taas.data"},

@@ -336,3 +336,18 @@ def test_attach_to_a_finished_job_shows_it_and_how_it_ended(home, store):
     assert status == 0
     assert shown == ("trained\ntaas: job abc123 done (rank 0's results wait for a notebook: "
                      "%taas attach abc123)\n")
+
+
+def test_attach_to_kept_ranks_shows_their_cell_and_how_a_notebook_adopts_them(home, store):
+    from taas.jobs.store import hold_lock
+
+    folder = store.create(record("abc123", State.KEPT, has_results=True, keep=True))
+    logged(folder, "model built\n").close()
+    lock = hold_lock(folder)  # their host lives
+    try:
+        status, shown = taas(home, "attach", "abc123")
+    finally:
+        os.close(lock)
+    assert status == 0
+    assert shown == ("model built\ntaas: job abc123's cell ended; its kept ranks wait for a notebook: "
+                     "%taas attach abc123 makes them its kept ranks (taas cancel abc123 ends them)\n")

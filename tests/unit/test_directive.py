@@ -217,11 +217,11 @@ def test_help_mentions_every_option():
         assert flag in HELP, flag
 
 
-def test_detach_parses_and_refuses_keep():
+def test_detach_parses_and_goes_with_keep():
     assert parse_options("--gpus 2 --detach").detach is True
     assert parse_options("--gpus 2").detach is False
-    with pytest.raises(DirectiveError, match="^--detach with --keep is not supported yet"):
-        parse_options("--detach --keep")
+    both = parse_options("--detach --keep 30m")
+    assert both.detach is True and both.keep == 1800.0
 
 
 def test_help_says_where_results_come_back():

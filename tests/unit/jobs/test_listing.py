@@ -60,6 +60,15 @@ def test_results_waiting_until_taken():
     assert [row["STATE"] for row in rows] == ["done (results waiting)", "done", "done"]
 
 
+def test_kept_ranks_read_kept_and_still_running_with_their_first_results_waiting():
+    text = render([listed("a1b2c3", State.KEPT, has_results=True, keep=True),
+                   listed("d4e5f6", State.KEPT, has_results=True, keep=True, taken=NOW - 5)], now=NOW)
+    _, rows = columns(text, 2)
+    assert [row["STATE"] for row in rows] == ["kept (results waiting)", "kept"]
+    assert [row["TIME"] for row in rows] == ["5m00s", "5m00s"]  # not ended: counted to now
+    assert not State.KEPT.final
+
+
 def test_failed_and_lost_jobs_have_their_cause_below():
     text = render([listed("a1b2c3", State.FAILED, cause="RuntimeError: CUDA out of memory"),
                    listed("d4e5f6", State.LOST, cause="its supervisor (pid 7) ended without a word"),

@@ -1,0 +1,85 @@
+"""One cell in a job host, as a value: its Request run on the host's Session, what comes back.
+
+Shared by a detached job's one cell (:mod:`taas.host.main`) and each later cell on a kept job's
+ranks (:mod:`taas.host.kept`): the notebook values unshipped into the host's namespace (one for
+the host's life, so kept ranks hold what the notebook sent before), rank 0's names and Out[]
+pickled one by one (one that cannot travel costs itself and a note), and an exception turned
+into what the notebook would have shown (:class:`~taas.host.api.Failure`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+
+import cloudpickle
+
+from taas import directive
+from taas.errors import JobFailed, RenderedError, TaasError
+from taas.host.api import Failure, Request, Returned
+
+log = logging.getLogger(__name__)
+
+
+def run_request(session, namespace: dict, request: Request, sink) -> Returned:
+    """``request``'s cell on ``session``, the notebook's values it sent unshipped into
+    ``namespace`` first; rank 0's names (also kept in ``namespace``) and Out[]."""
+    from taas.data import registry
+    from taas.job import package
+    from taas.session import WARN, write_note
+
+    # One namespace shared with the shipped functions, as in a rank (package.unship).
+    namespace.update(package.unship(request.names))
+    for name, (prefetch, buffer_mb) in request.loaders.items():
+        if registry.entry(namespace[name]) is None:
+            registry.register(namespace[name], prefetch=prefetch, buffer_mb=buffer_mb)
+    options = dataclasses.replace(directive.parse_options(request.options), detach=False)
+    log.debug("running the cell")
+    result = session.run_cell(
+        request.source, namespace, options, filename=request.filename, first_line=request.first_line,
+        sink=sink, name_for=lambda name: request.label if name == request.filename else None,
+        text=request.text)
+    log.debug("the cell ended")
+    namespace.update(result.values)  # as in the notebook: a later kept cell reads them here
+    values, notes = {}, list(result.notes)
+    for name, value in result.values.items():
+        try:
+            values[name] = cloudpickle.dumps(value)
+        except Exception as exc:  # one value that cannot be kept costs itself, not the others
+            notes.append(f"taas: `{name}` ({type(value).__name__}) could not be kept for the "
+                         f"notebook: {exc}")
+    out = None
+    if result.has_out:
+        try:
+            out = cloudpickle.dumps(result.out)
+        except Exception as exc:  # the same for Out[]
+            notes.append(f"taas: Out[] ({type(result.out).__name__}) could not be kept: {exc}")
+    for line in notes:
+        write_note(sink, line, WARN)
+    return Returned(values, out, result.has_out and out is not None, tuple(notes))
+
+
+def failure_of(exc: BaseException) -> Failure:
+    """What the notebook shows for ``exc``, the cell's exception."""
+    if isinstance(exc, KeyboardInterrupt):
+        render = getattr(exc, "_render_traceback_", None)
+        lines = tuple(render()) if callable(render) else ("KeyboardInterrupt",)
+        return Failure(lines[0] if lines else "KeyboardInterrupt", lines, "KeyboardInterrupt")
+    if isinstance(exc, RenderedError):
+        return Failure(exc.summary, tuple(exc.rendered), type(exc).__name__)
+    if isinstance(exc, TaasError):
+        return Failure(str(exc), (), type(exc).__name__)
+    lines = traceback.format_exception(exc)
+    return Failure(f"{type(exc).__name__}: {exc}", tuple(lines), type(exc).__name__)
+
+
+def cause_of(exc: BaseException) -> str:
+    """A failed job's cause in one line, for its record."""
+    if isinstance(exc, JobFailed):
+        return exc.summary
+    if isinstance(exc, RenderedError):
+        return exc.summary.splitlines()[0] if exc.summary else type(exc).__name__
+    if isinstance(exc, TaasError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
