@@ -30,7 +30,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from taas import directive
-from taas.errors import DirectiveError, KeptRanksGone, LaunchError
+from taas.errors import DirectiveError, JobFailed, KeptRanksGone, LaunchError
 from taas.io import failure, keys
 from taas.io.output import INFO, WARN, Sink, TerminalSink
 from taas.io.output import note as write_note
@@ -59,6 +59,14 @@ __all__ = ["INFO", "WARN", "CellResult", "JobStats", "Session", "launcher_from_e
 
 log = logging.getLogger(__name__)
 
+# The ranks' process-group timeout when the cell sets no --timeout.  Long on purpose: a rank in
+# the debugger (or at input()) keeps its peers waiting in their next collective for as long as
+# the user takes, and they must not time out under it.  A real hang is taas's to find (the
+# panel, --stall, --timeout, an interrupt), not the group timeout's.
+GROUP_TIMEOUT = 7 * 24 * 3600.0
+# %taas debug RANK: the cell every kept rank runs (taas.rank.console.debug_last).
+DEBUG_CELL = "__import__('taas.rank.console', fromlist=['debug_last']).debug_last({rank})\n"
+
 
 class Session:
     def __init__(self, launcher=None):
@@ -72,6 +80,8 @@ class Session:
         self.workdir = "auto"
         self.workdir_limit: int | None = None
         self.last: JobStats | None = None
+        self._failed_rank: int | None = None  # the root cause of the kept ranks' last failed cell
+        self._debugging = False  # %taas debug runs its cell (it keeps _failed_rank)
         # Big tensor storages moved to shared memory in place, for every later job to map
         # (taas.job.memory.resident); their files are closed once the notebook frees them.
         self.resident = ResidentMemory()
@@ -182,9 +192,10 @@ class Session:
 
     def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
                   filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
-                  hidden: frozenset = frozenset(), name_for=None) -> CellResult:
+                  hidden: frozenset = frozenset(), name_for=None, post_mortem: bool = False) -> CellResult:
         """Where the cell runs, the Job it becomes (:meth:`_job`), then that job's run
-        (:meth:`_run`)."""
+        (:meth:`_run`).  ``post_mortem`` (IPython's ``%pdb on``): a failing rank opens the
+        debugger where it raised, before the job ends (taas.rank.console)."""
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
@@ -203,7 +214,8 @@ class Session:
         if kept is not None and options.gpus is None:  # no --gpus: the kept world
             options = dataclasses.replace(options, gpus=kept.world.size)
         job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
-                                    options, sink, hidden, name_for, kept=kept, keep=keep)
+                                    options, sink, hidden, name_for, kept=kept, keep=keep,
+                                    post_mortem=post_mortem)
         self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
                              loaders=sorted(i.name for i in plane.loaders) if plane else [],
                              config=options.config, cluster=address)
@@ -218,12 +230,13 @@ class Session:
                            f"{was.backend}): {gone.reason}, so their state is lost; this cell starts "
                            "fresh ranks\n")
                 return self._run_cell(source, namespace, options, filename=filename, first_line=first_line,
-                                      sink=sink, hidden=hidden, name_for=name_for)
+                                      sink=sink, hidden=hidden, name_for=name_for, post_mortem=post_mortem)
         return self._run(launcher, job, plane, big, self.last, sink, name_for)
 
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
              options: directive.JobOptions, sink: Sink, hidden: frozenset,
-             name_for, kept: Kept | None = None, keep: bool = False) -> tuple[Job, DataPlane | None, BigValues]:
+             name_for, kept: Kept | None = None, keep: bool = False,
+             post_mortem: bool = False) -> tuple[Job, DataPlane | None, BigValues]:
         """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
         arrays went out through (the caller closes them).  Everything that can fail before
         launch fails here: a syntax error, a value that cannot be shipped, more processes than
@@ -268,8 +281,9 @@ class Session:
             payload=package.Payload(
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device, backend=backend,
-                pg_timeout=float(options.timeout or 1800), results=options.results,
-                results_to_cpu=results.results_to_cpu(options.results_device, local_cuda)),
+                pg_timeout=float(options.timeout or GROUP_TIMEOUT), results=options.results,
+                results_to_cpu=results.results_to_cpu(options.results_device, local_cuda),
+                post_mortem=post_mortem),
             world=World(world, device, backend),
             policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
                           stall=options.stall, storage=options.storage,
@@ -330,7 +344,14 @@ class Session:
         shipped, self._shipped = self._shipped, {}
         started = time.monotonic()
         try:
-            outcome = run.run()
+            try:
+                outcome = run.run()
+            except JobFailed as failed:  # %taas debug's default rank: the root cause's
+                report = failed.report
+                self._failed_rank = keys.rank_of(report.key) if report is not None else None
+                raise
+            if not self._debugging:
+                self._failed_rank = None
             _succeeded(job, outcome, job.data, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
@@ -348,6 +369,28 @@ class Session:
     @property
     def kept(self) -> Kept | None:
         return self.keeper.kept
+
+    def debug(self, rank: int | None = None, sink: Sink | None = None, name_for=None) -> None:
+        """``%taas debug [RANK]``: on kept ranks, the debugger at the frame where rank ``RANK``'s
+        last failed cell raised (default: the root cause of the last failed cell), in this
+        cell's input box; leaving it (``q``, ``c``) keeps the ranks and their state."""
+        kept = self.kept
+        if kept is None:
+            raise LaunchError("taas: %taas debug needs kept ranks (--keep) whose cell failed; there are none")
+        if rank is None:
+            rank = self._failed_rank
+            if rank is None:
+                raise LaunchError("taas: the kept ranks' last cell did not fail; "
+                                  "%taas debug RANK opens the last failure of rank RANK")
+        if not 0 <= rank < kept.world.size:
+            raise LaunchError(f"taas: there is no rank {rank}: the kept ranks are 0-{kept.world.size - 1}")
+        options = directive.parse_options("--no-results")
+        self._debugging = True
+        try:
+            self.run_cell(DEBUG_CELL.format(rank=rank), {}, options, filename="<taas debug>", sink=sink,
+                          name_for=name_for)
+        finally:
+            self._debugging = False
 
     def release(self, sink: Sink | None = None) -> str | None:
         """``%taas release``: end the kept ranks; a line saying what ended, or None."""

@@ -277,6 +277,12 @@ class OutputRouter:
             self._show_bar(key, stream, bar, text, final=False)
             bar.at, bar.dirty = now, False
 
+    def flush(self) -> None:
+        """Show every whole line held back now (lines several ranks may yet print alike):
+        before the notebook's input box opens, the cell shows what came before the question."""
+        if self._collapse is not None:
+            self._write(self._texts(self._collapse.flush()))
+
     def close(self) -> None:
         """The processes are gone: print partial last lines, settle progress lines."""
         for (key, stream), splitter in self._splitters.items():

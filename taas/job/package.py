@@ -75,6 +75,7 @@ class Payload:
     # Chosen in the kernel when the payload is built, not by the caller (see above).
     display_formatter: str | None = field(default_factory=lambda: _display_formatter)
     log_level: int | None = field(default_factory=_rank_log_level)
+    post_mortem: bool = False  # IPython's %pdb on: a failing rank opens pdb where it raised
 
 
 def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | frozenset = frozenset()) -> dict:
