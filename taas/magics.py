@@ -107,12 +107,12 @@ class NotebookSink:
         sys.stdout.flush()
         sys.stderr.flush()
         if self.kernel is None:
-            raise NoStdin("taas: a rank asked for input, but there is no notebook kernel to ask")
+            raise NoStdin("there is no notebook kernel to ask: input() and pdb in a rank need one")
         try:
             return (self.kernel.getpass if password else self.kernel.raw_input)(prompt)
         except StdinNotImplementedError:
-            raise NoStdin("taas: a rank asked for input, but this front end does not allow stdin "
-                          "(input() and pdb in a rank need an interactive notebook)") from None
+            raise NoStdin("this front end does not allow stdin: input() and pdb in a rank need an "
+                          "interactive notebook") from None
 
     def panel(self, bundle: dict, metadata: dict, final: bool) -> None:
         """Show (then update in place) the live rank panel; ``final``: its last state."""

@@ -45,6 +45,7 @@ class Stack:
     line: int | None  # the innermost line of the cell the rank is at (None: not in the cell)
     call: str  # that line's source text
     frames: tuple[dict, ...]  # outermost first: filename, lineno, name, line
+    debugger: bool = False  # the rank is in the debugger (not a hang)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _stack(m: dict) -> Stack:
     call = _field(m, "call", lambda v: v is None or isinstance(v, str), "a string", "")
     frames = _field(m, "frames", lambda v: isinstance(v, list) and all(_frame(f) for f in v),
                     "a list of frames", [])
-    return Stack(line, call or "", tuple(frames))
+    return Stack(line, call or "", tuple(frames), m.get("debugger") is True)
 
 
 def _comm(m: dict) -> Comm:

@@ -88,8 +88,8 @@ class Prompts:
     def _ask(self, ask: Ask) -> Answer:
         prompt = getattr(self.sink, "ask", None)
         if prompt is None:
-            return Answer(ask.id, error="taas: this job has no input box to read from "
-                                        "(input() and pdb need an interactive notebook)")
+            return Answer(ask.id, error="this job has no input box to read from: input() and pdb "
+                                        "in a rank need an interactive notebook")
         try:
             return Answer(ask.id, text=prompt(ask.prompt, ask.password))
         except EOFError:

@@ -39,6 +39,9 @@ class StdinUnavailable(RuntimeError):
     raises this, as a notebook's own input() raises StdinNotImplementedError."""
 
 
+StdinUnavailable.__module__ = "taas"  # the cell's one line: "taas.StdinUnavailable: ..."
+
+
 @dataclass(frozen=True)
 class Answer:
     """The kernel's answer to question ``id``: a line of text (no newline), or end of input
