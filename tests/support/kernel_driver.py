@@ -58,7 +58,8 @@ class Replies:
     """Scripted answers to a cell's input requests, as a front end gives them: each request
     is matched to the next ``(expected, reply)`` in order -- its prompt must contain
     ``expected`` -- and answered with ``reply`` (:data:`INTERRUPT`: the kernel is interrupted
-    instead, as the toolbar's stop does).  A request with no reply left fails the test."""
+    instead, as the toolbar's stop does; a callable: called with the prompt, for ranks that
+    ask in any order).  A request with no reply left fails the test."""
 
     def __init__(self, *pairs: tuple[str, object]):
         self.pairs = list(pairs)
@@ -69,7 +70,7 @@ class Replies:
         expected, reply = self.pairs[self.used]
         assert expected in prompt, f"input request {self.used}: {prompt!r} does not contain {expected!r}"
         self.used += 1
-        return reply
+        return reply(prompt) if callable(reply) else reply
 
     @property
     def done(self) -> bool:
