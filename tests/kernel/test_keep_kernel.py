@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from tests.support.kernel_driver import (cell, is_alive, one_line_usage_error, plain, process_name, wait_for,
-                                         wait_until_gone)
+from tests.support.kernel_driver import (Replies, cell, is_alive, one_line_usage_error, plain, process_name,
+                                         wait_for, wait_until_gone)
 from tests.support.kept import ok, typo_and_interrupt_keep_the_state
 from tests.support.launchers import kernel_on, on_both_launchers
 from tests.support.ranks import per_rank
@@ -311,3 +311,34 @@ def test_kept_cells_feed_taas_metrics_and_the_plot_as_one_cell_jobs_do(kernel, c
                 (rank, k, i + k) for rank in (0, 1) for k in range(3)), got
     finally:
         ok(kernel.run("%taas release"))
+
+
+def test_the_debugger_on_kept_ranks_and_taas_debug_after_a_failed_cell(kernel, clean):
+    pdb = "(Pdb) [rank1] "
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --keep
+        import torch.distributed as dist
+        secret = 7 * (dist.get_rank() + 1)
+        if dist.get_rank() == 1:
+            breakpoint()
+        dist.barrier()
+    """), replies=Replies((pdb, "p secret"), (pdb, "c")))
+    ok(run)
+    assert "[rank1] 14" in run.before_prompt[1]
+    pids = _rank_pids(kernel)
+    failed = kernel.run("%%taas\nif dist.get_rank() == 1:\n    hidden = secret + 1\n    raise ValueError('boom')")
+    assert failed.status == "error" and "rank1 failed: ValueError: boom" in failed.traceback
+    # %taas debug: the root cause's frame (rank 1), its names as they were; leaving keeps them.
+    debug = ok(kernel.run("%taas debug", replies=Replies((pdb, "p hidden"), (pdb, "q"))))
+    assert "[rank1] -> raise ValueError('boom')" in debug.before_prompt[0]
+    assert "[rank1] 15" in debug.before_prompt[1]
+    assert one_line_usage_error(kernel.run("%taas debug 5")) == (
+        "UsageError: taas: there is no rank 5: the kept ranks are 0-1")
+    # q at a breakpoint in a kept cell: the cell fails in one line, the ranks and state stay.
+    quit = kernel.run("%%taas\nif dist.get_rank() == 0:\n    breakpoint()\n    x = 1",
+                      replies=Replies(("(Pdb) [rank0] ", "q")))
+    assert quit.status == "error" and "rank0 left the debugger (q)" in quit.traceback
+    assert ok(kernel.run("%%taas\nsecret")).result == "7"
+    assert _rank_pids(kernel) == pids
+    ok(kernel.run("%taas release"))
+    assert wait_until_gone(pids) == []
