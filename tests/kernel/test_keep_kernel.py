@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.support.kernel_driver import (Replies, cell, is_alive, one_line_usage_error, plain, process_name,
+from tests.support.kernel_driver import (INTERRUPT, Replies, cell, is_alive, one_line_usage_error, plain, process_name,
                                          wait_for, wait_until_gone)
 from tests.support.kept import ok, typo_and_interrupt_keep_the_state
 from tests.support.launchers import kernel_on, on_both_launchers
@@ -338,6 +338,12 @@ def test_the_debugger_on_kept_ranks_and_taas_debug_after_a_failed_cell(kernel, c
     quit = kernel.run("%%taas\nif dist.get_rank() == 0:\n    breakpoint()\n    x = 1",
                       replies=Replies(("(Pdb) [rank0] ", "q")))
     assert quit.status == "error" and "rank0 left the debugger (q)" in quit.traceback
+    # An interrupt at the prompt (rank 0's cell is over, not in a collective, which no
+    # interrupt brings back): the cell is interrupted, the ranks stay.
+    interrupted = kernel.run("%%taas\nif dist.get_rank() == 1:\n    breakpoint()\n    x = 1",
+                             replies=Replies((pdb, INTERRUPT)))
+    assert interrupted.status == "error" and interrupted.error["ename"] == "KeyboardInterrupt"
+    assert "the kept ranks and their state stay" in interrupted.traceback, interrupted.traceback
     assert ok(kernel.run("%%taas\nsecret")).result == "7"
     assert _rank_pids(kernel) == pids
     ok(kernel.run("%taas release"))
