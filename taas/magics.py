@@ -102,8 +102,7 @@ class NotebookSink:
             del handles[name]
 
     def ask(self, prompt: str, password: bool = False) -> str:
-        """A line from the notebook's input box, as a notebook's own ``input()`` reads it (the
-        kernel's stdin channel); NoStdin (one line) where the front end does not allow it."""
+        """A line from the notebook's input box (the kernel's stdin channel), or NoStdin."""
         sys.stdout.flush()
         sys.stderr.flush()
         if self.kernel is None:
@@ -127,9 +126,8 @@ class NotebookSink:
 
 
 def _no_kernel_post_mortem(shell) -> None:
-    """The failing rank already opened its post-mortem (``%pdb on``): IPython must not open its
-    own in taas's frames for the JobFailed this cell raises.  ``%pdb`` stays on: it is turned
-    back once this cell is over."""
+    """The failing rank had its post-mortem (``%pdb on``): IPython's own must not open in taas's
+    frames for this cell's JobFailed; ``%pdb`` is back on once the cell is over."""
     shell.call_pdb = False
 
     def restore(*args) -> None:

@@ -44,9 +44,9 @@ from taas.job.results import CellResult
 from taas.launch.api import cuda_device_count
 from taas.rank import comm
 from taas.supervisor.cell import KeptCell
-from taas.supervisor.kept import Kept, Keeper
+from taas.supervisor.kept import Kept, Keeper, debug_cell
 from taas.supervisor.supervisor import Supervisor
-from taas.wiring import launcher_from_env, process_env, rebound_loaders, transport_for
+from taas.wiring import GROUP_TIMEOUT, launcher_from_env, process_env, rebound_loaders, transport_for
 from taas.workdir.cwd import working_directory
 
 if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
@@ -58,14 +58,6 @@ __all__ = ["INFO", "WARN", "CellResult", "JobStats", "Session", "launcher_from_e
            "transport_for", "working_directory", "write_note"]
 
 log = logging.getLogger(__name__)
-
-# The ranks' process-group timeout when the cell sets no --timeout.  Long on purpose: a rank in
-# the debugger (or at input()) keeps its peers waiting in their next collective for as long as
-# the user takes, and they must not time out under it.  A real hang is taas's to find (the
-# panel, --stall, --timeout, an interrupt), not the group timeout's.
-GROUP_TIMEOUT = 7 * 24 * 3600.0
-# %taas debug RANK: the cell every kept rank runs (taas.rank.console.debug_last).
-DEBUG_CELL = "__import__('taas.rank.console', fromlist=['debug_last']).debug_last({rank})\n"
 
 
 class Session:
@@ -80,7 +72,6 @@ class Session:
         self.workdir = "auto"
         self.workdir_limit: int | None = None
         self.last: JobStats | None = None
-        self._failed_rank: int | None = None  # the root cause of the kept ranks' last failed cell
         self._debugging = False  # %taas debug runs its cell (it keeps _failed_rank)
         # Big tensor storages moved to shared memory in place, for every later job to map
         # (taas.job.memory.resident); their files are closed once the notebook frees them.
@@ -347,11 +338,11 @@ class Session:
             try:
                 outcome = run.run()
             except JobFailed as failed:  # %taas debug's default rank: the root cause's
-                report = failed.report
-                self._failed_rank = keys.rank_of(report.key) if report is not None else None
+                if run.kept is not None and not self._debugging:
+                    run.kept.failed_rank = keys.rank_of(failed.report.key) if failed.report else None
                 raise
-            if not self._debugging:
-                self._failed_rank = None
+            if run.kept is not None and not self._debugging:
+                run.kept.failed_rank = None
             _succeeded(job, outcome, job.data, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
@@ -374,21 +365,11 @@ class Session:
         """``%taas debug [RANK]``: on kept ranks, the debugger at the frame where rank ``RANK``'s
         last failed cell raised (default: the root cause of the last failed cell), in this
         cell's input box; leaving it (``q``, ``c``) keeps the ranks and their state."""
-        kept = self.kept
-        if kept is None:
-            raise LaunchError("taas: %taas debug needs kept ranks (--keep) whose cell failed; there are none")
-        if rank is None:
-            rank = self._failed_rank
-            if rank is None:
-                raise LaunchError("taas: the kept ranks' last cell did not fail; "
-                                  "%taas debug RANK opens the last failure of rank RANK")
-        if not 0 <= rank < kept.world.size:
-            raise LaunchError(f"taas: there is no rank {rank}: the kept ranks are 0-{kept.world.size - 1}")
-        options = directive.parse_options("--no-results")
+        source = debug_cell(self.kept, rank)
         self._debugging = True
         try:
-            self.run_cell(DEBUG_CELL.format(rank=rank), {}, options, filename="<taas debug>", sink=sink,
-                          name_for=name_for)
+            self.run_cell(source, {}, directive.parse_options("--no-results"), filename="<taas debug>",
+                          sink=sink, name_for=name_for)
         finally:
             self._debugging = False
 

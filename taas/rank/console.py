@@ -14,7 +14,7 @@ FIFO), the prompt tagged with the rank:
 
 While the rank waits at a prompt its heartbeat says ``debugger`` (or ``input``): the panel shows
 it and the kernel's stall doctor leaves it alone.  The other ranks wait where they are (in their
-next collective): the group timeout is long when the job has no ``--timeout`` (taas.session).
+next collective): the group timeout is long when the job has no ``--timeout`` (taas.wiring).
 
 ``q`` in the debugger raises :class:`bdb.BdbQuit` out of the cell: the rank reports
 :data:`QUIT` and the job stops (a kept rank's cell fails and the ranks stay).  An interrupt at
