@@ -8,8 +8,10 @@ wants a line asks the kernel, and the kernel asks the front end:
           notebook's input box; ranks asking together are served one after another)
     kernel ──> JobHandle.answer(key, Answer) ──> the rank's FIFO ``<job_dir>/stdin/<key>``:
           one JSON line {"id", "text"} | {"id", "eof": true} | {"id", "error": "..."}
-          | {"id", "interrupt": true} ──> :func:`ask` returns the text, or raises EOFError,
-          :class:`StdinUnavailable` or KeyboardInterrupt
+          ──> :func:`ask` returns the text, or raises EOFError or :class:`StdinUnavailable`
+
+An interrupt at the prompt is the kernel's: it stops the job's processes, or (kept ranks)
+sends SIGINT, which raises KeyboardInterrupt in the rank's read here.
 
 The FIFO is made and opened read-write by the rank before it asks (:func:`ask`), so the rank
 never blocks on an absent writer and an answer written before it reads is not lost.  The kernel
@@ -45,14 +47,12 @@ StdinUnavailable.__module__ = "taas"  # the cell's one line: "taas.StdinUnavaila
 @dataclass(frozen=True)
 class Answer:
     """The kernel's answer to question ``id``: a line of text (no newline), or end of input
-    (``eof``), or ``error`` (one line: stdin cannot be read here), or ``interrupt`` (the user
-    interrupted the kernel at the prompt)."""
+    (``eof``), or ``error`` (one line: stdin cannot be read here)."""
 
     id: int
     text: str = ""
     eof: bool = False
     error: str = ""
-    interrupt: bool = False
 
     def line(self) -> bytes:
         fields: dict = {"id": self.id}
@@ -60,8 +60,6 @@ class Answer:
             fields["eof"] = True
         elif self.error:
             fields["error"] = self.error
-        elif self.interrupt:
-            fields["interrupt"] = True
         else:
             fields["text"] = self.text
         return (json.dumps(fields) + "\n").encode()
@@ -77,8 +75,6 @@ def read_answer(line: bytes) -> Answer | None:
         return None
     if m.get("eof") is True:
         return Answer(m["id"], eof=True)
-    if m.get("interrupt") is True:
-        return Answer(m["id"], interrupt=True)
     if isinstance(m.get("error"), str) and m["error"]:
         return Answer(m["id"], error=m["error"])
     if isinstance(m.get("text"), str):
@@ -139,8 +135,7 @@ def available() -> bool:
 
 def ask(prompt: str, *, password: bool = False, debugger: bool = False, post_mortem: bool = False) -> str:
     """A line from the notebook's input box, asked with ``prompt`` (shown as given).  Raises
-    EOFError (end of input), StdinUnavailable (the front end does not allow stdin) or
-    KeyboardInterrupt (the user interrupted the kernel at the prompt)."""
+    EOFError (end of input) or StdinUnavailable (the front end does not allow stdin)."""
     if not available():
         raise StdinUnavailable("taas: this process has no way to ask the notebook for input")
     with _inbox.lock:
@@ -152,8 +147,6 @@ def ask(prompt: str, *, password: bool = False, debugger: bool = False, post_mor
         events.send("ask", id=wanted, prompt=str(prompt), password=password, debugger=debugger,
                     post_mortem=post_mortem)
         got = _inbox.wait(wanted)
-    if got.interrupt:
-        raise KeyboardInterrupt
     if got.error:
         raise StdinUnavailable(got.error)
     if got.eof:
