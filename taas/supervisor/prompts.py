@@ -66,6 +66,10 @@ class Prompts:
         else:
             self.at_prompt.discard(key)
 
+    def left(self, key: str) -> None:
+        """Rank ``key`` is done or ended: at no prompt, whatever its last beat said."""
+        self.at_prompt.discard(key)
+
     def serve(self, gone: Callable[[str], bool]) -> None:
         """Ask the user every question waiting, in order; ``gone(key)``: that process ended (its
         question is dropped)."""

@@ -283,6 +283,7 @@ class Watch:
             code = 0
         self.ends[event.key] = failure.ProcessEnd(event.key, code, time.time(), stopped=self.stopping)
         self.board.exited(event.key, code, stopped=self.stopping)
+        self.prompts.left(event.key)
         log.debug("%s exited with %d", event.key, event.returncode)
         if code != 0 and not self.stopping:
             self.supervisor.transition(Ev.FAILURE)
@@ -301,6 +302,7 @@ class Watch:
             self.prompts.asked(key, message)
         elif isinstance(message, events.Done):
             self.done.add(key)
+            self.prompts.left(key)
             if message.gpu_mem is not None:
                 self.gpu_mem[key] = message.gpu_mem
             self.board.done(key)

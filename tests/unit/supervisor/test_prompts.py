@@ -89,6 +89,9 @@ def test_a_rank_at_a_prompt_is_no_hang_until_its_beat_says_it_left():
     assert prompts.debugging
     prompts.beat("rank1", "waiting")
     assert not prompts.debugging
+    prompts.beat("rank0", "input")  # a late beat, sent before its answer, then the rank ended
+    prompts.left("rank0")
+    assert not prompts.debugging
 
 
 def test_a_question_with_a_bad_field_is_no_message():
