@@ -317,6 +317,16 @@ class TerminalSink:
         target.write(text)
         target.flush()
 
+    def ask(self, prompt: str, password: bool = False) -> str:
+        """A rank's ``input()`` or pdb prompt, read from this process's stdin (a terminal's
+        IPython, a script): EOFError at its end."""
+        import getpass
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return getpass.getpass(prompt) if password else input(prompt)
+
     def progress(self, key: str, stream: str, text: str, final: bool) -> None:
         import sys
 

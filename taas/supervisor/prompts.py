@@ -9,8 +9,8 @@ tagged with its rank by the rank itself (``[rank1] name? ``, ``(Pdb) [rank1] ``)
 
     the sink returns a line    -> Answer(text)
     EOFError                   -> Answer(eof): the rank's input() raises EOFError (pdb: q)
-    NoStdin (one line)         -> Answer(error): the rank's input() raises it (the front end
-                                  does not allow stdin, a detached job has no user, ...)
+    NoStdin (one line), or an  -> Answer(error): the rank's input() raises it (the front end
+    OSError reading stdin         does not allow stdin, a detached job has no user, ...)
     KeyboardInterrupt          -> propagates: the supervisor's interrupt path stops the job
                                   (kept ranks: SIGINT to each, which leaves pdb)
 
@@ -100,3 +100,5 @@ class Prompts:
             return Answer(ask.id, eof=True)
         except NoStdin as exc:
             return Answer(ask.id, error=str(exc))
+        except OSError as exc:  # a terminal's stdin that cannot be read (closed, captured)
+            return Answer(ask.id, error=f"stdin cannot be read here: {exc}")

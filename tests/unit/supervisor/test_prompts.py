@@ -51,12 +51,13 @@ def test_questions_are_served_in_the_order_they_came_each_to_its_rank():
 
 
 def test_end_of_input_and_no_stdin_are_answered_and_a_gone_rank_is_not_asked():
-    sink, handle = Sink(EOFError(), NoStdin("no box here")), Handle()
+    sink, handle = Sink(EOFError(), NoStdin("no box here"), OSError("captured")), Handle()
     prompts = Prompts(sink, handle)
-    for key in ("rank0", "rank1", "rank2"):
+    for key in ("rank0", "rank1", "rank2", "rank3"):
         prompts.asked(key, ask(3, "? "))
     prompts.serve(lambda key: key == "rank1")
-    assert handle.answers == [("rank0", Answer(3, eof=True)), ("rank2", Answer(3, error="no box here"))]
+    assert handle.answers == [("rank0", Answer(3, eof=True)), ("rank2", Answer(3, error="no box here")),
+                              ("rank3", Answer(3, error="stdin cannot be read here: captured"))]
 
 
 def test_a_sink_without_an_input_box_answers_with_one_line():
