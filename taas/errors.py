@@ -35,6 +35,11 @@ class LaunchError(TaasError):
     """The job's processes could not be started."""
 
 
+class NoStdin(TaasError):
+    """The notebook cannot answer a rank's ``input()`` or pdb prompt (its front end does not
+    allow stdin, as a notebook's own ``input()`` raises StdinNotImplementedError): one line."""
+
+
 class KeptRanksGone(LaunchError):
     """``next_cell`` found the kept ranks short of a process before sending anything: none of
     them got the cell, so it can run on fresh ranks instead.  ``reason``: what ended."""

@@ -14,14 +14,14 @@ import os
 import sys
 import time
 
-from IPython.core.error import UsageError
+from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.formatters import DisplayFormatter
 from IPython.core.inputtransformer2 import TransformerManager, leading_empty_lines
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, publish_display_data
 
 from taas import directive
-from taas.errors import DirectiveError, LaunchError, PackagingError, RegistrationError
+from taas.errors import DirectiveError, JobFailed, LaunchError, NoStdin, PackagingError, RegistrationError
 from taas.job import package, syntax
 from taas.session import WARN, Session, TerminalSink, write_note
 
@@ -85,9 +85,11 @@ def translate(cell: str, first_line: int = 2) -> str:
 
 class NotebookSink:
     """Where a job's output goes in a notebook: the cell's streams, progress lines updated in
-    place (a display per process), and rank 0's display data."""
+    place (a display per process), rank 0's display data, and the ranks' questions (input(),
+    pdb) in the notebook's input box (``kernel``: ipykernel's, None outside a kernel)."""
 
-    def __init__(self, updates_in_place: bool = True) -> None:
+    def __init__(self, updates_in_place: bool = True, kernel=None) -> None:
+        self.kernel = kernel
         self._progress: dict[tuple[str, str], object] = {}
         self._last = None  # the stream written last
         # The live rank panel (taas.io.board) is a display updated in place only where the
@@ -134,6 +136,18 @@ class NotebookSink:
         if final:
             del handles[name]
 
+    def ask(self, prompt: str, password: bool = False) -> str:
+        """A line from the notebook's input box (the kernel's stdin channel), or NoStdin."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.kernel is None:
+            raise NoStdin("there is no notebook kernel to ask: input() and pdb in a rank need one")
+        try:
+            return (self.kernel.getpass if password else self.kernel.raw_input)(prompt)
+        except StdinNotImplementedError:
+            raise NoStdin("this front end does not allow stdin: input() and pdb in a rank need an "
+                          "interactive notebook") from None
+
     def panel(self, bundle: dict, metadata: dict, final: bool) -> None:
         """Show (then update in place) the live rank panel; ``final``: its last state."""
         if self._panel is None:
@@ -144,6 +158,18 @@ class NotebookSink:
             self._panel.update(bundle, raw=True, metadata=metadata)
         if final:
             self._panel = None
+
+
+def _no_kernel_post_mortem(shell) -> None:
+    """The failing rank had its post-mortem (``%pdb on``): IPython's own must not open in taas's
+    frames for this cell's JobFailed; ``%pdb`` is back on once the cell is over."""
+    shell.call_pdb = False
+
+    def restore(*args) -> None:
+        shell.events.unregister("post_run_cell", restore)
+        shell.call_pdb = True
+
+    shell.events.register("post_run_cell", restore)
 
 
 def cell_number(shell) -> int:
@@ -212,14 +238,20 @@ class TaasMagics(Magics):
             return self._detach(line, cell, source, options, filename, sink)
         if self.adopted is not None and not options.cluster and self._still_adopted(sink):
             return self._on_adopted(line, cell, source, filename, sink)
+        post_mortem = bool(getattr(shell, "call_pdb", False))  # IPython's %pdb on
         try:
             result = self.session.run_cell(
                 source, shell.user_ns, options, filename=filename, first_line=2, sink=sink,
                 hidden=frozenset(shell.user_ns_hidden), name_for=self._name_for, text=cell,
+                post_mortem=post_mortem,
             )
         except _BEFORE_LAUNCH as exc:
             log.debug("refused before launch: %s: %s", type(exc).__name__, exc)
             raise UsageError(str(exc)) from None
+        except JobFailed:
+            if post_mortem:
+                _no_kernel_post_mortem(shell)  # the rank's was the post-mortem
+            raise
         log.debug("back in the notebook: %s%s", ", ".join(sorted(result.values)) or "no names",
                   ", and Out" if result.has_out else "")
         shell.user_ns.update(result.values)
@@ -234,7 +266,7 @@ class TaasMagics(Magics):
         # An interactive front end (JupyterLab, Notebook, VS Code) asks with allow_stdin; batch
         # runners (nbconvert, nbclient, nbval, papermill) do not, and keep only a display's
         # last state: they get the panel as text, and only for long jobs (taas.io.board).
-        return NotebookSink(bool(getattr(kernel, "_allow_stdin", False))) if kernel is not None else None
+        return NotebookSink(bool(getattr(kernel, "_allow_stdin", False)), kernel) if kernel is not None else None
 
     # -- jobs that outlive the kernel (--detach; taas.host) ------------------------------------
     def _detach(self, line: str, cell: str, source: str, options, filename: str, sink):
@@ -392,6 +424,8 @@ class TaasMagics(Magics):
                 address, settings = _cluster_words(words[1:])
                 print("\n".join(self.session.use_cluster(address, **settings)))
                 return
+            if words and words[0] == "debug":  # %taas debug [RANK] on kept ranks
+                return self._debug(words[1:])
             if words == ["release"] and self.adopted is not None:  # adopted kept ranks: their host's
                 adopted, self.adopted = self.adopted, None
                 print(adopted.release())
@@ -403,13 +437,23 @@ class TaasMagics(Magics):
             if words and words[0] in _JOB_USAGE:
                 return self._jobs(words)
             if words:
-                raise UsageError("%taas takes no arguments but 'cluster ADDRESS|local', 'release', 'jobs', "
-                                 "'attach [ID]', 'cancel ID', 'forget ID' or 'logs ID', "
+                raise UsageError("%taas takes no arguments but 'cluster ADDRESS|local', 'release', "
+                                 "'debug [RANK]', 'jobs', 'attach [ID]', 'cancel ID', 'forget ID' or 'logs ID', "
                                  f"got {line.strip()!r}")
             print(status.render(self.session))
             if self.adopted is not None:
                 print(f"adopted kept ranks: job {self.adopted.job}, {self.adopted.describe()}, run by its "
                       "job host (%taas release ends them)")
+        except LaunchError as exc:
+            raise UsageError(str(exc)) from None
+
+
+    def _debug(self, args: list[str]) -> None:
+        """``%taas debug [RANK]``: pdb where the kept rank's last failed cell raised."""
+        if len(args) > 1 or (args and not args[0].isdigit()):
+            raise UsageError(f"%taas debug takes at most a rank number, got {' '.join(args)!r}")
+        try:
+            self.session.debug(int(args[0]) if args else None, self._sink(), name_for=self._name_for)
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
 

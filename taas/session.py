@@ -30,7 +30,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from taas import directive
-from taas.errors import DirectiveError, KeptRanksGone, LaunchError
+from taas.errors import DirectiveError, JobFailed, KeptRanksGone, LaunchError
 from taas.io import failure, keys
 from taas.io.output import INFO, WARN, Sink, TerminalSink
 from taas.io.output import note as write_note
@@ -47,9 +47,9 @@ from taas.leases.locks import Lease
 from taas.leases.wait import for_cell, machine_lines
 from taas.rank import comm
 from taas.supervisor.cell import KeptCell
-from taas.supervisor.kept import Kept, Keeper
+from taas.supervisor.kept import Kept, Keeper, debug_cell
 from taas.supervisor.supervisor import Supervisor
-from taas.wiring import launcher_from_env, process_env, rebound_loaders, transport_for
+from taas.wiring import GROUP_TIMEOUT, launcher_from_env, process_env, rebound_loaders, transport_for
 from taas.workdir.cwd import working_directory
 
 if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
@@ -75,6 +75,7 @@ class Session:
         self.workdir = "auto"
         self.workdir_limit: int | None = None
         self.last: JobStats | None = None
+        self._debugging = False  # %taas debug runs its cell (it keeps _failed_rank)
         # Big tensor storages moved to shared memory in place, for every later job to map
         # (taas.job.memory.resident); their files are closed once the notebook frees them.
         self.resident = ResidentMemory()
@@ -191,10 +192,12 @@ class Session:
 
     def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
                   filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
-                  hidden: frozenset = frozenset(), name_for=None, text: str | None = None) -> CellResult:
+                  hidden: frozenset = frozenset(), name_for=None, text: str | None = None,
+                  post_mortem: bool = False) -> CellResult:
         """Where the cell runs, the Job it becomes (:meth:`_job`), then that job's run
         (:meth:`_run`).  ``text``: the cell as typed when ``source`` is IPython's translation
-        of its syntax (taas.job.syntax), for tracebacks."""
+        of its syntax (taas.job.syntax), for tracebacks.  ``post_mortem`` (IPython's ``%pdb on``):
+        a failing rank opens the debugger where it raised, before the job ends (taas.rank.console)."""
         sink = sink or TerminalSink()
         cwd = working_directory()  # before anything else: even importing torch needs it
         address = self.cluster_address(options)
@@ -213,7 +216,8 @@ class Session:
         if kept is not None and options.gpus is None:  # no --gpus: the kept world
             options = dataclasses.replace(options, gpus=kept.world.size)
         job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
-                                    options, sink, hidden, name_for, kept=kept, keep=keep, text=text)
+                                    options, sink, hidden, name_for, kept=kept, keep=keep, text=text,
+                                    post_mortem=post_mortem)
         self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
                              loaders=sorted(i.name for i in plane.loaders) if plane else [],
                              config=options.config, cluster=address)
@@ -228,13 +232,14 @@ class Session:
                            f"{was.backend}): {gone.reason}, so their state is lost; this cell starts "
                            "fresh ranks\n")
                 return self._run_cell(source, namespace, options, filename=filename, first_line=first_line,
-                                      sink=sink, hidden=hidden, name_for=name_for, text=text)
+                                      sink=sink, hidden=hidden, name_for=name_for, text=text,
+                                      post_mortem=post_mortem)
         return self._run(launcher, job, plane, big, self.last, sink, name_for)
 
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
              options: directive.JobOptions, sink: Sink, hidden: frozenset,
              name_for, kept: Kept | None = None, keep: bool = False,
-             text: str | None = None) -> tuple[Job, DataPlane | None, BigValues]:
+             text: str | None = None, post_mortem: bool = False) -> tuple[Job, DataPlane | None, BigValues]:
         """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
         arrays went out through (the caller closes them).  Everything that can fail before
         launch fails here: a syntax error, a value that cannot be shipped, more processes than
@@ -284,9 +289,9 @@ class Session:
             payload=package.Payload(
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device, backend=backend,
-                pg_timeout=float(options.timeout or 1800), results=options.results,
+                pg_timeout=float(options.timeout or GROUP_TIMEOUT), results=options.results,
                 results_to_cpu=results.results_to_cpu(options.results_device, local_cuda),
-                text=text if text != source else None),
+                text=text if text != source else None, post_mortem=post_mortem),
             world=World(world, device, backend),
             policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
                           stall=options.stall, storage=options.storage,
@@ -358,7 +363,14 @@ class Session:
         shipped, self._shipped = self._shipped, {}
         started = time.monotonic()
         try:
-            outcome = run.run()
+            try:
+                outcome = run.run()
+            except JobFailed as failed:  # %taas debug's default rank: the root cause's
+                if run.kept is not None and not self._debugging:
+                    run.kept.failed_rank = keys.rank_of(failed.report.key) if failed.report else None
+                raise
+            if run.kept is not None and not self._debugging:
+                run.kept.failed_rank = None
             _succeeded(job, outcome, job.data, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
@@ -376,6 +388,18 @@ class Session:
     @property
     def kept(self) -> Kept | None:
         return self.keeper.kept
+
+    def debug(self, rank: int | None = None, sink: Sink | None = None, name_for=None) -> None:
+        """``%taas debug [RANK]``: on kept ranks, the debugger at the frame where rank ``RANK``'s
+        last failed cell raised (default: the root cause of the last failed cell), in this
+        cell's input box; leaving it (``q``, ``c``) keeps the ranks and their state."""
+        source = debug_cell(self.kept, rank)
+        self._debugging = True
+        try:
+            self.run_cell(source, {}, directive.parse_options("--no-results"), filename="<taas debug>",
+                          sink=sink, name_for=name_for)
+        finally:
+            self._debugging = False
 
     def release(self, sink: Sink | None = None) -> str | None:
         """``%taas release``: end the kept ranks; a line saying what ended, or None."""

@@ -16,6 +16,13 @@ from taas.launch.api import Topology
 from taas.launch.local.launcher import LocalLauncher
 
 
+# The ranks' process-group timeout when the cell sets no --timeout.  Long on purpose: a rank in
+# the debugger (or at input()) keeps its peers waiting in their next collective for as long as
+# the user takes, and they must not time out under it.  A real hang is taas's to find (the
+# panel, --stall, --timeout, an interrupt), not the group timeout's.
+GROUP_TIMEOUT = 7 * 24 * 3600.0
+
+
 def transport_for(topology: Topology):
     """The data plane's transport where ``topology`` puts the ranks: shared memory when every
     process runs on the kernel's machine, else TCP streams into a relay per node."""

@@ -98,6 +98,13 @@ class Board:
             rank.running_at = self.clock()
         rank.data = {name: (units, wait) for name, units, wait in beat.data}
 
+    def asking(self, key: str, debugger: bool) -> None:
+        """Rank ``key`` waits at a prompt: in the debugger (pdb), or at ``input()``; shown now,
+        before its next beat says so."""
+        rank = self.ranks.get(key)
+        if rank is not None and rank.state not in ("done", "failed", "stopped"):
+            rank.state = "debugger" if debugger else "input"
+
     def done(self, key: str) -> None:
         if key in self.ranks:
             self.ranks[key].state = "done"

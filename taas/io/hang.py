@@ -11,7 +11,8 @@ where the others are get named:
   elsewhere is named; a tie names nobody ("not all at the same place").
 
 A rank that did not answer (its stack thread had not started, say) is shown as such and never
-named.  Stacks are rendered like tracebacks (``Cell In[3], line 9``) via ``name_for``.
+named; nor is a rank in the debugger (its user's turn, not a hang: the others wait for it).
+Stacks are rendered like tracebacks (``Cell In[3], line 9``) via ``name_for``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Place:
     call: str = ""  # that line's source text
     frames: list[dict] = field(default_factory=list)  # outermost first
     ended: str | None = None  # how it had already ended ("finished (code 0)"), if it had
+    debugger: bool = False  # at the debugger's prompt: the user's turn, never a hang
 
     @classmethod
     def from_event(cls, key: str, message: dict) -> "Place":
@@ -44,6 +46,8 @@ class Place:
     def where(self) -> str:
         if self.ended:
             return self.ended
+        if self.debugger:
+            return f"in the debugger at line {self.line}" if self.line is not None else "in the debugger"
         if self.line is not None:
             return f"line {self.line} {self.call}".rstrip()
         if self.frames:
@@ -71,11 +75,11 @@ def groups(places: list[Place]) -> list[tuple[list[str], str]]:
 
 def odd_ones(places: list[Place]) -> list[str]:
     """The keys of the ranks that are not where the others are (see the module docstring)."""
-    running = [p for p in places if not p.ended]
+    running = [p for p in places if not p.ended and not p.debugger]
     if not running:
         return []
     odd = [p.key for p in places if p.ended]
-    answered = [p for p in running if p.where != NO_ANSWER]
+    answered = [p for p in running if p.where != NO_ANSWER]  # (a rank in the debugger is none)
     found = groups(answered)
     if len(found) > 1:
         sizes = sorted((len(keys) for keys, _ in found), reverse=True)
@@ -103,9 +107,13 @@ def render(places: list[Place], name_for: Callable[[str], str] | None = None) ->
     """The lines after an error's first line: where every rank was, then their stacks."""
     lines = []
     sentence = odd_sentence(places)
+    debugging = [p.key for p in places if p.debugger and not p.ended]
+    if debugging:  # the others wait for it: that is no hang
+        lines.append(f"{label(debugging)} {'was' if len(debugging) == 1 else 'were'} in the debugger; "
+                     "the others waited for it.")
     if sentence:
         lines.append(sentence + ".")
-    elif len(groups([p for p in places if p.where != NO_ANSWER])) > 1:
+    elif not debugging and len(groups([p for p in places if p.where != NO_ANSWER])) > 1:
         lines.append("The ranks were not all at the same place.")
     lines.append("Where the ranks were:")
     lines.extend(f"  {label(keys)}: {where}" for keys, where in groups(places))

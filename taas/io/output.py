@@ -277,6 +277,12 @@ class OutputRouter:
             self._show_bar(key, stream, bar, text, final=False)
             bar.at, bar.dirty = now, False
 
+    def flush(self) -> None:
+        """Show every whole line held back now (lines several ranks may yet print alike):
+        before the notebook's input box opens, the cell shows what came before the question."""
+        if self._collapse is not None:
+            self._write(self._texts(self._collapse.flush()))
+
     def close(self) -> None:
         """The processes are gone: print partial last lines, settle progress lines."""
         for (key, stream), splitter in self._splitters.items():
@@ -310,6 +316,16 @@ class TerminalSink:
         target = sys.stdout if stream == "stdout" else sys.stderr
         target.write(text)
         target.flush()
+
+    def ask(self, prompt: str, password: bool = False) -> str:
+        """A rank's ``input()`` or pdb prompt, read from this process's stdin (a terminal's
+        IPython, a script): EOFError at its end."""
+        import getpass
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return getpass.getpass(prompt) if password else input(prompt)
 
     def progress(self, key: str, stream: str, text: str, final: bool) -> None:
         import sys

@@ -11,9 +11,10 @@ an HTML table (a notebook that updates a display in place).
     rank1  waiting  9     all_reduce  4.1 s   0%     790 MB
 
 Columns: the state (starting, running, waiting -- in a torch.distributed call or for data --,
-done, failed, stopped), the cell line the rank is at and the function it is in, seconds since
-its last output, CPU % and resident memory; GPU memory and utilisation only when some rank has
-them (CUDA).  A blank cell is a figure not known (yet).
+debugger -- at pdb's prompt --, input -- at ``input()`` --, done, failed, stopped), the cell
+line the rank is at and the function it is in, seconds since its last output, CPU % and
+resident memory; GPU memory and utilisation only when some rank has them (CUDA).  A blank
+cell is a figure not known (yet).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 GROUP_OVER = 16  # more ranks than this: one row per node
-STATES = ("starting", "running", "waiting", "done", "failed", "stopped")  # the order counts show
+STATES = ("starting", "running", "waiting", "debugger", "input", "done", "failed", "stopped")  # the order counts show
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ def text(title: str, ranks: list[RankRow], loaders: Sequence[LoaderRow] = ()) ->
 _FONT = "font-family: var(--jp-code-font-family, monospace); font-size: 12px"
 _STYLE = _FONT + "; border-collapse: collapse"
 _CELL = "padding: 1px 8px; text-align: left; white-space: nowrap"
-_COLOURS = {"failed": "#c62828", "waiting": "#b26a00", "done": "#2e7d32", "stopped": "#757575"}
+_COLOURS = {"failed": "#c62828", "waiting": "#b26a00", "debugger": "#1565c0", "input": "#1565c0",
+            "done": "#2e7d32", "stopped": "#757575"}
 
 
 def _html_row(cells: list[str], tag: str = "td", state: str | None = None) -> str:

@@ -78,6 +78,7 @@ class Payload:
     # The cell as typed, when ``source`` is IPython's translation of it (taas.job.syntax):
     # what tracebacks show for the cell's lines.  None: ``source`` itself.
     text: str | None = None
+    post_mortem: bool = False  # IPython's %pdb on: a failing rank opens pdb where it raised
 
 
 def select(free: frozenset[str] | set[str], user_ns: dict, hidden: set[str] | frozenset = frozenset()) -> dict:

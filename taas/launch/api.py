@@ -237,6 +237,14 @@ class JobHandle(abc.ABC):
     def close(self) -> None:
         """Release the attempt's resources (pipes, store, files).  Calls ``stop()`` first."""
 
+    def answer(self, key: str, reply) -> bool:
+        """Give process ``key`` the answer to the question it asked on its events pipe (an
+        ``ask`` line: ``input()`` or pdb in a rank), a
+        :class:`taas.launch.process.stdin.Answer`, written where the process runs
+        (:func:`taas.launch.process.stdin.answer`); False when it cannot be reached.  Optional:
+        a launcher without it leaves ranks' ``input()`` unanswerable (they are told so)."""
+        return False
+
     def fileno(self) -> int | None:
         """Optional: a descriptor that turns readable when :meth:`events` may have something
         new, so that a caller can wait on several handles at once; None: there is none."""

@@ -5,7 +5,7 @@ wherever the events pipe reaches the kernel (one machine or a cluster's nodes). 
 thread (:func:`start`) samples, once a second:
 
     state     starting (before the cell), running, or waiting (in a torch.distributed call, or
-              for a registered loader's next unit)
+              for a registered loader's next unit), debugger / input (at a prompt: the user's turn)
     line      the innermost line of the cell the main thread is at (None: not in the cell)
     call      the torch.distributed call it waits in (``all_reduce``), else the cell's function
               it is in (``train_step``), or at the cell's top level the function that line called
@@ -51,6 +51,23 @@ def start(filename: str, device: str) -> None:
     main = threading.get_ident()
     threading.Thread(target=_beat, args=(main, filename, device, _stop), name="taas-heartbeat",
                      daemon=True).start()
+
+
+_prompt: list[str] = []  # "debugger" or "input" while the main thread waits for the user
+
+
+class prompting:
+    """``with prompting("debugger"):`` beats say that state (the rank waits for the user at a
+    prompt, :mod:`taas.rank.console`), whatever the stack looks like."""
+
+    def __init__(self, state: str):
+        self.state = state
+
+    def __enter__(self) -> None:
+        _prompt.append(self.state)
+
+    def __exit__(self, *exc) -> None:
+        _prompt.pop()
 
 
 def running() -> None:
@@ -110,6 +127,8 @@ class Sampler:
         state, line, call = where(self.main, self.filename)
         if not _running.is_set() and call != "data":  # waiting for the first slice stays "waiting"
             state = "starting"
+        if _prompt:
+            state = _prompt[-1]
         return {"state": state, "line": line, "call": call, "node": self.node,
                 "cpu": round(self.process.cpu_percent(None), 1),
                 "rss": self.process.memory_info().rss,

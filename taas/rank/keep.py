@@ -29,7 +29,7 @@ from collections.abc import Callable
 from taas.job import results
 from taas.job.package import Payload, unship
 from taas.launch.process import cells, events, report, stacks
-from taas.rank import comm, heartbeat, metrics
+from taas.rank import comm, console, heartbeat, metrics
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,13 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
     except SystemExit:
         raise
     except BaseException as exc:  # the user's error, or the kernel's interrupt (SIGINT)
-        report.write_error(job_dir, key, exc, 1)
+        console.remember(exc)  # %taas debug opens it later
+        if console.quitting(exc):  # q in the debugger: the cell fails, the ranks stay
+            report.write_error(job_dir, key, None, 1, console.QUIT_KEPT)
+        else:
+            if payload.post_mortem and not isinstance(exc, KeyboardInterrupt):
+                console.post_mortem(exc)  # IPython's %pdb on
+            report.write_error(job_dir, key, exc, 1)
         failed = True
     _close_views()  # their figures go out before "done"; the cell's loader workers end now
     heartbeat.stop()  # an idle kept rank sends nothing until its next cell

@@ -35,8 +35,8 @@ from taas.job import crossing, devices, results
 from taas.job.analysis import compile_cell
 from taas.job.api import PAYLOAD
 from taas.job.package import Payload, unship
-from taas.launch.process import cells, events, report, stacks
-from taas.rank import comm, display, heartbeat, keep, metrics, nccl, patches, shell
+from taas.launch.process import cells, events, report, stacks, stdin
+from taas.rank import comm, console, display, heartbeat, keep, metrics, nccl, patches, shell
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ def main(spec) -> int:
     rank = int(os.environ["RANK"])
     fault_file = open(report.fault_path(job_dir, key), "w")
     faulthandler.enable(file=fault_file, all_threads=False)
+    payload: Payload | None = None
     try:
         with open(os.path.join(job_dir, PAYLOAD), "rb") as f:
             payload: Payload = pickle.load(f)
@@ -57,6 +58,7 @@ def main(spec) -> int:
                   payload.filename, payload.device, payload.backend, os.environ.get("TAAS_STORAGE", "shared"),
                   ", ".join(payload.loaders) or "none")
         stacks.start(job_dir, key, payload.filename)  # where this rank is, when the kernel asks
+        stdin.setup(job_dir, key)  # input() and pdb ask the notebook (taas.rank.console)
         # A kept rank's channel exists before it is up: the kernel may send the next cell as
         # soon as every rank said done (taas.rank.keep).
         inbox = cells.Inbox(job_dir, key) if keep.kept() else None
@@ -101,7 +103,12 @@ def main(spec) -> int:
         _teardown()
         return code
     except BaseException as exc:  # the user's error, or KeyboardInterrupt
-        report.write_error(job_dir, key, exc, 1)
+        if console.quitting(exc):  # q in the debugger: the job stops, in one line
+            report.write_error(job_dir, key, None, 1, console.QUIT)
+        else:
+            if payload is not None and payload.post_mortem and not isinstance(exc, KeyboardInterrupt):
+                console.post_mortem(exc)  # IPython's %pdb on: before the job ends
+            report.write_error(job_dir, key, exc, 1)
         _teardown()
         return 1
     finally:
@@ -151,6 +158,7 @@ def _setup(payload: Payload) -> None:
         dist.barrier()  # every rank is connected before any can leave (see the docstring)
     comm.install()
     display.install(rank=int(os.environ["RANK"]), formatter=payload.display_formatter)
+    console.install(int(os.environ["RANK"]))  # input(), breakpoint(), pdb: the notebook's input box
 
 
 def _loader_view(name: str):

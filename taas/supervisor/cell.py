@@ -212,6 +212,7 @@ class CellWatch(Watch):
                 self.deliver(self.handle.events(POLL))
                 self.router.tick()
                 self.board.tick()
+                self.serve_prompts()
                 if self.ends:
                     raise self._give_up(None)
                 if self.failed and time.monotonic() - min(self.failed.values()) > RETURN_WAIT:

@@ -127,6 +127,9 @@ class Both(JobHandle):
     def layers(self):
         return list(self.kept.layers()) + list(self.loaders.layers())
 
+    def answer(self, key, reply):
+        return self.kept.answer(key, reply)
+
     def close(self) -> None:
         self.loaders.close()
 

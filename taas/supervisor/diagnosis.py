@@ -49,7 +49,7 @@ def places(handle, ranks: list[str], ends: dict, answers: dict[str, Stack],
 def place(key: str, answer: Stack | None, end: failure.ProcessEnd | None, handle) -> hang.Place:
     """One rank's place: its answer, how it ended, or neither (it did not answer)."""
     if answer is not None:
-        return hang.Place(key, answer.line, answer.call, list(answer.frames))
+        return hang.Place(key, answer.line, answer.call, list(answer.frames), debugger=answer.debugger)
     if end is None:
         return hang.Place(key)
     if end.returncode == 0:

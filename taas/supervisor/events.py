@@ -16,6 +16,8 @@ ignored: it never fails the job, and the job's output and results still arrive.
     comm      how many operations a rank made on its process groups, how much it trained -> :class:`Comm`
     data.*    the data plane's figures (progress, prefetch, stats)              -> :class:`DataFigure`
     beat      a rank's figures every second, for the live panel (taas.rank.heartbeat) -> :class:`Beat`
+    ask       a rank's input() or pdb prompt wants a line from the notebook's input box
+              (taas.launch.process.stdin; answered with JobHandle.answer)              -> :class:`Ask`
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Stack:
     line: int | None  # the innermost line of the cell the rank is at (None: not in the cell)
     call: str  # that line's source text
     frames: tuple[dict, ...]  # outermost first: filename, lineno, name, line
+    debugger: bool = False  # the rank is in the debugger (not a hang)
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,18 @@ class Beat:
     data: tuple[tuple[str, int, float], ...] = ()  # (loader, units taken, seconds waited)
 
 
-Message = Display | Stack | Up | Done | Comm | DataFigure | Metrics | Beat
+@dataclass(frozen=True)
+class Ask:
+    """A rank waits for a line from the notebook's input box (:mod:`taas.launch.process.stdin`)."""
+
+    id: int  # the question's number, repeated in the answer
+    prompt: str  # shown as given (the rank tagged it: "[rank1] name? ", "(Pdb) [rank1] ")
+    password: bool = False  # getpass: the box hides what is typed
+    debugger: bool = False  # pdb's prompt: the rank is in the debugger
+    post_mortem: bool = False  # ... at the frame its cell raised in (%pdb on)
+
+
+Message = Display | Stack | Up | Done | Comm | DataFigure | Metrics | Beat | Ask
 
 
 class Malformed(ValueError):
@@ -140,7 +154,7 @@ def _stack(m: dict) -> Stack:
     call = _field(m, "call", lambda v: v is None or isinstance(v, str), "a string", "")
     frames = _field(m, "frames", lambda v: isinstance(v, list) and all(_frame(f) for f in v),
                     "a list of frames", [])
-    return Stack(line, call or "", tuple(frames))
+    return Stack(line, call or "", tuple(frames), m.get("debugger") is True)
 
 
 def _comm(m: dict) -> Comm:
@@ -151,7 +165,7 @@ def _comm(m: dict) -> Comm:
                 _field(m, "steps", count, "a count", 0))
 
 
-BEAT_STATES = ("starting", "running", "waiting")
+BEAT_STATES = ("starting", "running", "waiting", "debugger", "input")
 
 
 def _count_or_none(v: Any) -> bool:
@@ -206,6 +220,15 @@ def _data(m: dict) -> DataFigure:
     return DataFigure(m["kind"], m)
 
 
+def _ask(m: dict) -> Ask:
+    prompt = _field(m, "prompt", lambda v: isinstance(v, str), "a string", "")
+    return Ask(id=_field(m, "id", lambda v: _int(v) and v > 0, "a question number"),
+               prompt=prompt[:4096],
+               password=_field(m, "password", lambda v: isinstance(v, bool), "true or false", False),
+               debugger=_field(m, "debugger", lambda v: isinstance(v, bool), "true or false", False),
+               post_mortem=_field(m, "post_mortem", lambda v: isinstance(v, bool), "true or false", False))
+
+
 def _metric_row(row: Any) -> bool:
     return (isinstance(row, list) and len(row) == 2 and _int(row[0]) and isinstance(row[1], dict)
             and all(isinstance(k, str) and _number(v) for k, v in row[1].items()))
@@ -225,6 +248,7 @@ _READERS: dict[str, Callable[[dict], Message]] = {
     "comm": _comm,
     "metrics": _metrics,
     "beat": _beat,
+    "ask": _ask,
 }
 
 

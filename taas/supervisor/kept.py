@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 
+from taas.errors import LaunchError
 from taas.io import keys as names
 from taas.io.output import TerminalSink
 from taas.job.api import World
@@ -44,6 +45,7 @@ class Kept:
         # their rank 0 holds its other end, so every kept cell's big results come back on it.
         self.channel = None
         self.gpu_mem: dict[str, int] = {}  # rank -> GPU bytes its tensors held after its last cell
+        self.failed_rank: int | None = None  # the root cause of the last cell, when it failed
 
     def remember(self, name: str, value) -> None:
         """The ranks now hold ``value`` under ``name`` (it was shipped, or brought back)."""
@@ -100,6 +102,25 @@ class Kept:
             if self.channel is not None:
                 self.channel.close()
                 self.channel = None
+
+
+# %taas debug RANK: the cell every kept rank runs (taas.rank.console.debug_last).
+DEBUG_CELL = "__import__('taas.rank.console', fromlist=['debug_last']).debug_last({rank})\n"
+
+
+def debug_cell(kept: Kept | None, rank: int | None) -> str:
+    """``%taas debug [RANK]``'s cell for ``kept`` (default rank: the root cause of the last
+    cell, when it failed); LaunchError (one line) when there is nothing to debug."""
+    if kept is None:
+        raise LaunchError("taas: %taas debug needs kept ranks (--keep) whose cell failed; there are none")
+    if rank is None:
+        rank = kept.failed_rank
+        if rank is None:
+            raise LaunchError("taas: the kept ranks' last cell did not fail; "
+                              "%taas debug RANK opens the last failure of rank RANK")
+    if not 0 <= rank < kept.world.size:
+        raise LaunchError(f"taas: there is no rank {rank}: the kept ranks are 0-{kept.world.size - 1}")
+    return DEBUG_CELL.format(rank=rank)
 
 
 SMALL = 1 << 16  # bytes: plain values up to this size are fingerprinted by their pickle

@@ -30,7 +30,7 @@ from taas.io.output import WARN, LineSplitter, OutputRouter, note
 from taas.job.api import PAYLOAD, Job
 from taas.launch.api import RESULT, LaunchSpec, ProcessExit, ProcessSpec, attempt_id
 from taas.shield import deferred_interrupt
-from taas.supervisor import diagnosis, events
+from taas.supervisor import diagnosis, events, prompts
 from taas.supervisor.machine import Ev, InvalidTransition, Machine, State  # noqa: F401 (re-exported)
 from taas.workdir import merge
 
@@ -214,6 +214,9 @@ class Watch:
         self.stalled = False  # this silence was reported already
         self.finishing = False  # every rank said "done": the rest of their exit is ours to cut short
         self.board = Board(self.sink, self.keys)  # the live rank panel (taas.io.board)
+        # Ranks' questions for the notebook's input box (input(), pdb), served one at a time
+        # in the order they came (taas.supervisor.prompts), and the ranks in the debugger now.
+        self.prompts = prompts.Prompts(self.sink, handle, self.board)
 
     @property
     def stopping(self) -> bool:
@@ -226,6 +229,7 @@ class Watch:
                 self.deliver(self.handle.events(POLL))
                 self.router.tick()
                 self.board.tick()
+                self.serve_prompts()
                 if self._finish():
                     continue
                 self._check_stall()
@@ -254,6 +258,18 @@ class Watch:
                     if message is not None:
                         self._on_message(item.key, message)
 
+    def serve_prompts(self) -> None:
+        """Answer the ranks' questions waiting (one after another), output shown first; the
+        silence spent at a prompt is no stall.  KeyboardInterrupt at the prompt propagates."""
+        if not self.prompts.waiting or self.stopping:
+            return
+        # What the asking rank printed before it asked (pdb's listing) is on another pipe:
+        # read what has come, and show it, before the input box.
+        self.deliver(self.handle.events(0))
+        self.router.flush()
+        self.prompts.serve(lambda key: key in self.ends)
+        self.last_output, self.stalled = time.monotonic(), False
+
     def places(self):
         return diagnosis.places(self.handle, self.ranks, self.ends, self.stacks,
                                 lambda: self.deliver(self.handle.events(POLL)))
@@ -267,6 +283,7 @@ class Watch:
             code = 0
         self.ends[event.key] = failure.ProcessEnd(event.key, code, time.time(), stopped=self.stopping)
         self.board.exited(event.key, code, stopped=self.stopping)
+        self.prompts.left(event.key)
         log.debug("%s exited with %d", event.key, event.returncode)
         if code != 0 and not self.stopping:
             self.supervisor.transition(Ev.FAILURE)
@@ -280,8 +297,12 @@ class Watch:
             self.stacks[key] = message
         elif isinstance(message, events.Beat):
             self.board.beat(key, message)
+            self.prompts.beat(key, message.state)
+        elif isinstance(message, events.Ask):
+            self.prompts.asked(key, message)
         elif isinstance(message, events.Done):
             self.done.add(key)
+            self.prompts.left(key)
             if message.gpu_mem is not None:
                 self.gpu_mem[key] = message.gpu_mem
             self.board.done(key)
@@ -334,6 +355,9 @@ class Watch:
             return  # silence counts once every rank is up
         self.last_output = max(self.last_output, self.up_at)
         stall = self.job.policy.stall
+        if self.prompts.debugging:  # a rank in the debugger (or at input()) is no hang
+            self.last_output, self.stalled = time.monotonic(), False
+            return
         if (not stall or self.stopping or self.stalled or len(self.ends) == len(self.keys)
                 or time.monotonic() - self.last_output <= stall):
             return

@@ -277,3 +277,29 @@ return seen.size;
 
 def _colours(notebook, index: int) -> int:
     return notebook.driver.execute_script(_COLOURS, notebook.path, index)
+
+
+def test_pdb_in_a_rank_reads_what_is_typed_into_the_pages_input_box(notebook, snap):
+    from selenium.webdriver.common.keys import Keys
+
+    index = notebook.run(cell("""
+        %%taas --gpus 2
+        import torch.distributed as dist
+        secret = 40 + dist.get_rank()
+        if dist.get_rank() == 1:
+            breakpoint()
+        dist.barrier()
+        print("went on", secret)
+        """))
+    box, prompt = notebook.input_box(index)
+    assert prompt.strip() == "(Pdb) [rank1]", prompt
+    box.send_keys("p secret * 1000" + Keys.ENTER)
+    notebook.wait_for_text(index, re.escape("[rank1] 41000"))
+    snap("pdb")
+    box, prompt = notebook.input_box(index)  # the next prompt: a box of its own
+    assert prompt.strip() == "(Pdb) [rank1]", prompt
+    box.send_keys("c" + Keys.ENTER)
+    done = notebook.wait_done(index)
+    text = "\n".join(o["text"] for o in done["outputs"])
+    assert "[rank0] went on 40" in text and "[rank1] went on 41" in text, text
+    assert not any(o["mime"] == "application/vnd.jupyter.error" for o in done["outputs"]), text

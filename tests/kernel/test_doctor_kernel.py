@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from tests.support.kernel_driver import cell
+from tests.support.kernel_driver import INTERRUPT, Replies, cell
 from tests.support.launchers import on_both_launchers
 from tests.support.ranks import per_rank
 
@@ -136,3 +136,103 @@ def test_tracebacks_and_interrupt_stacks_name_the_cells_own_prompt(kernel, clean
     text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(interrupted.error["traceback"]))
     # Each rank's stack names the cell as its prompt does.
     assert re.findall(r"Cell In\[(\d+)\], line 4", text) == [str(_prompt(interrupted))] * 2, text
+
+
+# -- a rank asks the user: input() and the debugger (taas.rank.console) -------------------------
+def _text(run) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", run.traceback)
+
+
+def test_input_reads_the_notebooks_input_box_on_one_rank_then_on_two_in_turn(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        import torch.distributed as dist
+        name = input('name? ') if dist.get_rank() == 0 else None
+        print('hello', name)
+    """), replies=Replies(("name? ", "Ada")))
+    assert run.error is None, run.stderr + run.traceback
+    assert run.prompts == ["[rank0] name? "]
+    assert "[rank0] hello Ada" in run.stdout and "[rank1] hello None" in run.stdout
+    assert kernel.run("name").result == "'Ada'"  # rank 0's names come back as ever
+    # Both ranks ask at once: served one after another, each prompt tagged with its rank.
+    both = kernel.run(cell("""
+        %%taas --gpus 2
+        word = input('word? ')
+        print('got', word)
+    """), replies=Replies(("word? ", lambda p: p.split("]")[0][1:]), ("word? ", lambda p: p.split("]")[0][1:])))
+    assert both.error is None, both.stderr + both.traceback
+    assert sorted(both.prompts) == ["[rank0] word? ", "[rank1] word? "]
+    assert "[rank0] got rank0" in both.stdout and "[rank1] got rank1" in both.stdout
+    # A front end that does not allow stdin (nbconvert, nbval): one line in the rank.
+    batch = kernel.run("%%taas --gpus 2\ninput('x? ')", batch=True)
+    assert batch.status == "error"
+    first = _text(batch).splitlines()[0]
+    assert re.fullmatch(r"rank[01] failed: taas\.StdinUnavailable: this front end does not allow stdin: "
+                        r"input\(\) and pdb in a rank need an interactive notebook", first), first
+
+
+@on_both_launchers
+def test_breakpoint_on_rank1_p_n_c_then_q_stops_the_job_in_one_line(kernel, clean):
+    body = """
+        %%taas --gpus 2
+        import torch, torch.distributed as dist
+        x = torch.ones(1) * dist.get_rank()
+        if dist.get_rank() == 1:
+            breakpoint()
+            y = x + 1
+        dist.all_reduce(x)
+        print('sum', x.item())
+    """
+    pdb = "(Pdb) [rank1] "
+    run = kernel.run(cell(body), replies=Replies((pdb, "p x"), (pdb, "n"), (pdb, "p y"), (pdb, "c")))
+    assert run.error is None, run.stderr + run.traceback
+    assert run.prompts == [pdb] * 4  # only rank 1 asked; rank 0 waited in all_reduce meanwhile
+    assert "[rank1] -> y = x + 1" in run.before_prompt[0]  # pdb stopped at the next line
+    assert "[rank1] tensor([1.])" in run.before_prompt[1]  # p x
+    assert "[rank1] -> dist.all_reduce(x)" in run.before_prompt[2]  # n
+    assert "[rank1] tensor([2.])" in run.before_prompt[3]  # p y
+    assert "[rank0-1] sum 1.0" in run.stdout  # c: the collective completed
+    quit = kernel.run(cell(body), replies=Replies((pdb, "q")))
+    assert quit.status == "error"
+    lines = _text(quit).strip().splitlines()
+    assert lines == ["rank1 left the debugger (q): the job was stopped", "rank0: stopped after rank1 failed"]
+
+
+def test_an_interrupt_at_the_debuggers_prompt_stops_the_job(kernel, clean):
+    run = kernel.run(cell("""
+        %%taas --gpus 2
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            import pdb; pdb.set_trace()
+            print('not reached')
+        dist.barrier()
+    """), replies=Replies(("(Pdb) [rank1] ", INTERRUPT)))
+    assert run.status == "error" and run.error["ename"] == "KeyboardInterrupt"
+    text = _text(run)
+    assert "rank1 was in the debugger; the others waited for it." in text, text
+    assert "rank1: in the debugger at line" in text and "rank0: line 6 dist.barrier()" in text, text
+    assert "[rank1] not reached" not in run.stdout  # (pdb's listing shows the line)
+    assert kernel.run("%%taas --gpus 2\n1 + 1").result == "2"  # the next taas cell works
+
+
+def test_pdb_on_opens_the_failing_ranks_frame_before_the_job_ends(kernel, clean):
+    assert kernel.run("%pdb on").error is None
+    try:
+        run = kernel.run(cell("""
+            %%taas --gpus 2
+            import torch.distributed as dist
+            def inverse(v):
+                return 1 / v
+            if dist.get_rank() == 1:
+                z = inverse(0)
+            dist.barrier()
+        """), replies=Replies(("(Pdb) [rank1] ", "p v"), ("(Pdb) [rank1] ", "q")))
+    finally:
+        kernel.run("%pdb off")
+    # Only rank 1's debugger asked (IPython's own did not open in taas's frames).
+    assert run.prompts == ["(Pdb) [rank1] "] * 2
+    assert "[rank1] -> return 1 / v" in run.before_prompt[0]  # the frame that raised
+    assert "[rank1] 0" in run.before_prompt[1].split("return 1 / v")[-1]
+    text = _text(run)
+    assert text.splitlines()[0] == "rank1 failed: ZeroDivisionError: division by zero", text
+    assert "return 1 / v" in text and "rank0: stopped after rank1 failed" in text  # as today

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from tests.support.kernel_driver import (cell, is_alive, one_line_usage_error, plain, process_name, wait_for,
-                                         wait_until_gone)
+from tests.support.kernel_driver import (INTERRUPT, Replies, cell, is_alive, one_line_usage_error, plain, process_name,
+                                         wait_for, wait_until_gone)
 from tests.support.kept import ok, typo_and_interrupt_keep_the_state
 from tests.support.launchers import kernel_on, on_both_launchers
 from tests.support.ranks import per_rank
@@ -328,3 +328,40 @@ def test_kept_ranks_bring_back_only_the_names_a_cell_bound(kernel, clean, workdi
     shown = ok(kernel.run("print(late, early, from_script, shared)")).stdout.strip()
     assert shown == "2 notebook notebook cell 2", shown
     ok(kernel.run("%taas release"))
+
+
+def test_the_debugger_on_kept_ranks_and_taas_debug_after_a_failed_cell(kernel, clean):
+    pdb = "(Pdb) [rank1] "
+    run = kernel.run(cell("""
+        %%taas --gpus 2 --keep
+        import torch.distributed as dist
+        secret = 7 * (dist.get_rank() + 1)
+        if dist.get_rank() == 1:
+            breakpoint()
+        dist.barrier()
+    """), replies=Replies((pdb, "p secret"), (pdb, "c")))
+    ok(run)
+    assert "[rank1] 14" in run.before_prompt[1]
+    pids = _rank_pids(kernel)
+    failed = kernel.run("%%taas\nif dist.get_rank() == 1:\n    hidden = secret + 1\n    raise ValueError('boom')")
+    assert failed.status == "error" and "rank1 failed: ValueError: boom" in failed.traceback
+    # %taas debug: the root cause's frame (rank 1), its names as they were; leaving keeps them.
+    debug = ok(kernel.run("%taas debug", replies=Replies((pdb, "p hidden"), (pdb, "q"))))
+    assert "[rank1] -> raise ValueError('boom')" in debug.before_prompt[0]
+    assert "[rank1] 15" in debug.before_prompt[1]
+    assert one_line_usage_error(kernel.run("%taas debug 5")) == (
+        "UsageError: taas: there is no rank 5: the kept ranks are 0-1")
+    # q at a breakpoint in a kept cell: the cell fails in one line, the ranks and state stay.
+    quit = kernel.run("%%taas\nif dist.get_rank() == 0:\n    breakpoint()\n    x = 1",
+                      replies=Replies(("(Pdb) [rank0] ", "q")))
+    assert quit.status == "error" and "rank0 left the debugger (q)" in quit.traceback
+    # An interrupt at the prompt (rank 0's cell is over, not in a collective, which no
+    # interrupt brings back): the cell is interrupted, the ranks stay.
+    interrupted = kernel.run("%%taas\nif dist.get_rank() == 1:\n    breakpoint()\n    x = 1",
+                             replies=Replies((pdb, INTERRUPT)))
+    assert interrupted.status == "error" and interrupted.error["ename"] == "KeyboardInterrupt"
+    assert "the kept ranks and their state stay" in interrupted.traceback, interrupted.traceback
+    assert ok(kernel.run("%%taas\nsecret")).result == "7"
+    assert _rank_pids(kernel) == pids
+    ok(kernel.run("%taas release"))
+    assert wait_until_gone(pids) == []

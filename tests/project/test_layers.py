@@ -56,7 +56,7 @@ ROOMS: dict[str, set[str]] = {
     # One kernel's job runner (no IPython): the supervisor, and the session (composition root:
     # it picks the launcher and the transport).
     "taas.supervisor": {"taas.errors", "taas.shield", "taas.io", "taas.job", "taas.workdir",
-                        "taas.launch", "taas.data"},
+                        "taas.launch", "taas.launch.process", "taas.data"},
     # The composition root's plain choices: the default launcher, the transport, processes' env.
     "taas.wiring": {"taas.errors", "taas.launch", "taas.launch.local", "taas.data", "taas.data.shm",
                     "taas.data.tcp", "taas.job"},

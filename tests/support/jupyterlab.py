@@ -364,6 +364,24 @@ class Notebook:
             return next((i for i in images if i["loaded"] and i["width"] > 0), None)
         return wait_for(loaded, timeout, f"an image rendered in cell {index}")
 
+    def input_box(self, index: int, timeout: float = CELL_TIMEOUT):
+        """Cell ``index``'s open input box (a kernel's input request: ``input()``, pdb), as a
+        WebElement to type into, once the page shows one and has focused it, as it does for a
+        new request; with its prompt's text."""
+        found = wait_for(lambda: self.driver.execute_script(
+            "const node = window.__taasNotebooks[arguments[0]].content.widgets[arguments[1]].node;"
+            "const open = [...node.querySelectorAll('.jp-Stdin')].filter(s => {"
+            "  const box = s.querySelector('.jp-Stdin-input');"
+            "  return box && !box.disabled && !box.readOnly && box.offsetParent !== null"
+            "         && document.activeElement === box; });"
+            "if (!open.length) return null;"
+            "const last = open[open.length - 1];"
+            "const prompt = last.querySelector('.jp-Stdin-prompt');"
+            "return [last.querySelector('.jp-Stdin-input'), prompt ? prompt.textContent : ''];",
+            self.path, index),
+            timeout, f"an input box in cell {index}")
+        return found[0], found[1]
+
     def interrupt_button(self):
         """The interrupt button of this notebook's toolbar, as a WebElement to click."""
         return self.driver.execute_script(

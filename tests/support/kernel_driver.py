@@ -41,10 +41,40 @@ class CellRun:
     panels: list = field(default_factory=list)
     status: str = ""
     messages: list = field(default_factory=list)  # every iopub message of the cell, in order
+    # Every input_request of the cell (its prompt), in order, and the stdout text shown before
+    # each (what the cell showed when the input box opened), for tests that answer them.
+    prompts: list = field(default_factory=list)
+    before_prompt: list = field(default_factory=list)
 
     @property
     def traceback(self) -> str:
         return "\n".join(self.error["traceback"]) if self.error else ""
+
+
+INTERRUPT = object()  # a scripted reply: interrupt the kernel at this prompt instead of typing
+
+
+class Replies:
+    """Scripted answers to a cell's input requests, as a front end gives them: each request
+    is matched to the next ``(expected, reply)`` in order -- its prompt must contain
+    ``expected`` -- and answered with ``reply`` (:data:`INTERRUPT`: the kernel is interrupted
+    instead, as the toolbar's stop does; a callable: called with the prompt, for ranks that
+    ask in any order).  A request with no reply left fails the test."""
+
+    def __init__(self, *pairs: tuple[str, object]):
+        self.pairs = list(pairs)
+        self.used = 0
+
+    def next(self, prompt: str) -> object:
+        assert self.used < len(self.pairs), f"an input request with no scripted reply: {prompt!r}"
+        expected, reply = self.pairs[self.used]
+        assert expected in prompt, f"input request {self.used}: {prompt!r} does not contain {expected!r}"
+        self.used += 1
+        return reply(prompt) if callable(reply) else reply
+
+    @property
+    def done(self) -> bool:
+        return self.used == len(self.pairs)
 
 
 class _PrefixedKernelManager(KernelManager):
@@ -103,13 +133,17 @@ class Kernel:
         raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
 
     def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None, batch: bool = False,
-            on_panel=None) -> CellRun:
+            on_panel=None, replies: Replies | None = None) -> CellRun:
         """Run ``code`` and collect what it shows.  ``on_output(out)`` is called after each
         stream message, ``on_panel(out)`` after each message of the rank panel (``out.panels``
-        so far): a test reacts to what the cell shows while it runs."""
+        so far): a test reacts to what the cell shows while it runs.  ``replies``: the cell's
+        input requests are answered with them on the stdin channel, as a front end does (the
+        cell is sent with ``allow_stdin``); without, a request fails the test."""
         msg_id = self.execute(code, batch)
         out = CellRun()
-        for msg in _answers(self.kc.get_iopub_msg, msg_id, timeout):
+        messages = (_answers(self.kc.get_iopub_msg, msg_id, timeout) if replies is None
+                    else self._answering(msg_id, timeout, replies, out))
+        for msg in messages:
             out.messages.append(msg)
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
@@ -135,6 +169,35 @@ class Kernel:
             raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
         out.status = self.reply(msg_id)["content"]["status"]
         return out
+
+    def _answering(self, msg_id: str, timeout: float, replies: Replies, out: CellRun):
+        """The cell's iopub messages, answering its input requests meanwhile (each request's
+        parent is the cell: replies are matched to this cell's requests only)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                request = self.kc.get_stdin_msg(timeout=0)
+            except queue.Empty:
+                request = None
+            if request is not None and request["parent_header"].get("msg_id") == msg_id:
+                prompt = request["content"]["prompt"]
+                # What the cell showed before the box opened (iopub may still be on its way).
+                for msg in _answers(self.kc.get_iopub_msg, msg_id, 0.2):
+                    yield msg
+                out.prompts.append(prompt)
+                out.before_prompt.append(out.stdout)
+                reply = replies.next(prompt)
+                if reply is INTERRUPT:
+                    self.km.interrupt_kernel()
+                else:
+                    self.kc.input(str(reply))
+                continue
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id:
+                yield msg
 
     def _abandon(self, msg_id: str) -> None:
         """A cell that ran too long: interrupt it and wait for its reply, so the next cell

@@ -198,6 +198,11 @@ class PrivateJob(JobHandle):
 
         return [k for k in keys if k in self.roots and stacks.request(self.roots[k], [k])]
 
+    def answer(self, key: str, reply) -> bool:
+        from taas.launch.process import stdin
+
+        return key in self.roots and stdin.answer(self.roots[key], key, reply)
+
     def layers(self) -> list[tuple[str, str]]:
         from taas.launch.local.jobdir import layers  # each private root has the job directory's layout
 

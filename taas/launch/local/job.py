@@ -84,6 +84,11 @@ class LocalJob(JobHandle):
     def layers(self) -> list[tuple[str, str]]:
         return jobdir.layers(self.job_dir) if self.job_dir else []
 
+    def answer(self, key: str, reply) -> bool:
+        from taas.launch.process import stdin
+
+        return bool(self.job_dir) and key in self._pids and stdin.answer(self.job_dir, key, reply)
+
     def fileno(self) -> int | None:
         """The selector's descriptor: readable when a pipe or the start process's channel is
         (what another job routed here is not: :meth:`events` takes that first)."""

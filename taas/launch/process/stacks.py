@@ -13,6 +13,7 @@ it on the events pipe as one ``{"kind": "stack", ...}`` line:
     frames  the stack, outermost first, from the cell's first frame; taas's own frames dropped
     line    the innermost line of the cell itself (None: the rank is not in the cell)
     call    that line's source text
+    debugger  true when the rank is in the debugger (pdb's frames are on its stack)
 
 Nothing here stops or slows the rank: the thread sleeps in ``open``/``read`` until asked.
 """
@@ -82,13 +83,15 @@ def snapshot(thread_id: int, filename: str) -> dict:
                        "line": linecache.getline(code.co_filename, frame.f_lineno or 0).strip()})
         frame = frame.f_back
     frames.reverse()
+    # At a prompt of the debugger (taas.rank.console's pdb): the hang doctor never counts it.
+    debugger = any(f["filename"].endswith(os.sep + "bdb.py") for f in frames)
     frames = [f for f in frames if not _internal(f["filename"])]
     in_cell = [i for i, f in enumerate(frames) if f["filename"] == filename]
     if in_cell:
         frames = frames[in_cell[0]:]  # what ran the cell (runpy...) is no news to the user
     here = frames[in_cell[-1] - in_cell[0]] if in_cell else None
     return {"frames": frames, "line": here["lineno"] if here else None,
-            "call": here["line"] if here else ""}
+            "call": here["line"] if here else "", "debugger": debugger}
 
 
 # ---- kernel side ---------------------------------------------------------------------------

@@ -322,6 +322,12 @@ class NodeAgent:
                 asked += job.request_stacks(mine)
         return asked
 
+    def answer(self, key: str, reply) -> bool:
+        """The kernel's answer to what rank ``key`` asked (its input() or pdb prompt)."""
+        self._polled = time.monotonic()  # the kernel is alive
+        job = self._holding(key)
+        return job.answer(key, reply) if job is not None else False
+
     def layers(self, attempt: str | None = None) -> list[tuple[str, str]]:
         """Paths on this node; the kernel reads them only where nodes share the filesystem."""
         self._polled = time.monotonic()  # the kernel is alive

@@ -339,6 +339,15 @@ class RayJob(KeptCalls, JobHandle):
                 pass
         return asked
 
+    def answer(self, key: str, reply) -> bool:
+        agent = self._agents.get(self._node_of.get(key, ""))
+        if agent is None:
+            return False
+        try:
+            return bool(self._get(agent.answer.remote(key, reply), 10))
+        except Exception:  # broad: a dead agent's rank cannot read it
+            return False
+
     def layers(self) -> list[tuple[str, str]]:
         """The layers' uppers: as their agents report them where the node shares the working
         directory, else fetched from the node into a directory of the kernel's (removed at

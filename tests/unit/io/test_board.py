@@ -180,3 +180,20 @@ def test_many_ranks_show_as_nodes():
     text = sink.panels[-1][0]["text/plain"]
     assert [line.split()[0] for line in text.splitlines()[2:]] == ["node0", "node1", "node2", "node3"]
     assert "running 8" in text
+
+
+def test_a_rank_at_a_prompt_shows_debugger_or_input_until_it_is_done():
+    from taas.io.board import Board as B
+
+    class Quiet:
+        def write(self, stream, text):
+            pass
+
+    board = B(Quiet(), ["rank0", "rank1"])
+    board.asking("rank1", debugger=True)
+    board.asking("rank0", debugger=False)
+    states = {row.key: row.state for row in board.rank_rows(0.0)}
+    assert states == {"rank0": "input", "rank1": "debugger"}
+    board.done("rank1")
+    board.asking("rank1", debugger=True)  # a late question never brings a finished rank back
+    assert {row.key: row.state for row in board.rank_rows(0.0)}["rank1"] == "done"

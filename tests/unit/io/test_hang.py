@@ -83,3 +83,15 @@ def test_render_a_tie_says_so():
 def test_a_label_of_many_ranks_reads_like_the_output_tags():
     assert label([f"rank{r}" for r in range(32)]) == "rank0-31"
     assert label(["rank0", "rank1", "rank3"]) == "rank0-1,3"
+
+
+def test_a_rank_in_the_debugger_is_never_the_odd_one_and_the_others_waited_for_it():
+    from taas.io import hang as h
+
+    places = [h.Place("rank0", 9, "dist.all_reduce(t)"), h.Place("rank1", 5, "breakpoint()", debugger=True),
+              h.Place("rank2", 9, "dist.all_reduce(t)")]
+    assert h.odd_ones(places) == []
+    lines = h.render(places)
+    assert lines[0] == "rank1 was in the debugger; the others waited for it."
+    assert "  rank1: in the debugger at line 5" in lines and "  rank0,2: line 9 dist.all_reduce(t)" in lines
+    assert not any("not where the others are" in line or "not all at the same place" in line for line in lines)

@@ -114,3 +114,15 @@ def test_router_never_mixes_two_processes_in_one_line():
     router.feed("rank0", "stdout", b"bb\n")
     router.close()
     assert sink.text() == "[rank0] aaaaaa\n[rank1] hi\n[rank0] bb\n"
+
+
+def test_a_terminal_answers_a_ranks_question_from_its_stdin(monkeypatch, capsys):
+    import io
+
+    from taas.io.output import TerminalSink
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Ada\n"))
+    assert TerminalSink().ask("[rank1] name? ") == "Ada"
+    assert capsys.readouterr().out == "[rank1] name? "
+    with pytest.raises(EOFError):  # the end of its input: the rank's input() raises EOFError
+        TerminalSink().ask("[rank1] again? ")
