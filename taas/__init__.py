@@ -9,7 +9,7 @@ In a notebook::
 
 ``import taas`` works in any Python process and imports neither torch nor IPython; IPython is
 only touched here (the extension hook, and finding a running shell's names without importing
-it) and in :mod:`taas.magics`.  The layers below receive what they need from the notebook as
+it), in :mod:`taas.magics` and in :mod:`taas.notebook`.  The layers below receive what they need from the notebook as
 plain values and callables (see ``tests/project/test_layers.py`` for the order of the layers).
 
 ``logging.getLogger("taas")`` carries a debug trail of what a job did; it has a NullHandler,
@@ -94,7 +94,8 @@ def __dir__():
 def load_ipython_extension(ipython) -> None:
     """``%load_ext taas``: the magics, the ``#pragma taas`` transformer, a warm start process."""
     from taas.data import registry
-    from taas.magics import TaasMagics, choose_display_formatter, pragma_transformer
+    from taas.magics import TaasMagics
+    from taas.notebook import choose_display_formatter, pragma_transformer
     from taas.session import Session
 
     if _loaded.get("shell") is ipython:
@@ -113,7 +114,7 @@ def load_ipython_extension(ipython) -> None:
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext taas``: remove everything ``load_ipython_extension`` added."""
-    from taas.magics import forget_display_formatter, pragma_transformer
+    from taas.notebook import forget_display_formatter, pragma_transformer
 
     if _loaded.get("shell") is not ipython:
         return

@@ -72,9 +72,10 @@ ROOMS: dict[str, set[str]] = {
     "taas.cli": {"taas.errors", "taas.host", "taas.jobs", "taas.leases"},
     # The notebook face.
     "taas.status": {"taas.session", "taas.data"},
+    "taas.notebook": {"taas.errors", "taas.directive", "taas.job"},
     "taas.magics": {"taas.errors", "taas.directive", "taas.job", "taas.workdir", "taas.session",
-                    "taas.status", "taas.host", "taas.jobs"},
-    "taas": {"taas.data", "taas.magics", "taas.session"},
+                    "taas.status", "taas.host", "taas.jobs", "taas.notebook"},
+    "taas": {"taas.data", "taas.magics", "taas.notebook", "taas.session"},
 }
 
 # Modules a room names in a string though its room may not import them, for a job's processes:
@@ -93,7 +94,7 @@ BY_NAME: dict[str, set[str]] = {
 }
 
 # Modules allowed to import IPython (anywhere in the module).
-IPYTHON_ALLOWED = {"taas.magics", "taas"}
+IPYTHON_ALLOWED = {"taas.magics", "taas.notebook", "taas"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -312,7 +313,7 @@ def test_importing_taas_imports_neither_torch_nor_ipython(code):
 
 # -- what the notebook layer hands down, as plain values ---------------------------------------
 def test_rank_zero_formats_with_the_formatter_the_notebook_layer_chose():
-    from taas import magics
+    from taas import notebook
     from taas.job import package
     from taas.rank import display
 
@@ -329,14 +330,14 @@ def test_rank_zero_formats_with_the_formatter_the_notebook_layer_chose():
 
     assert payload().display_formatter is None
     assert display.format_bundle(Rich()) == ({"text/plain": "Rich()"}, {})  # no formatter: repr
-    magics.choose_display_formatter()
+    notebook.choose_display_formatter()
     try:
         spec = payload().display_formatter
         assert spec == "IPython.core.formatters:DisplayFormatter"
         data, _ = display.format_bundle(Rich(), spec)
         assert data == {"text/plain": "Rich()", "text/html": "<b>rich</b>"}
     finally:
-        magics.forget_display_formatter()
+        notebook.forget_display_formatter()
     assert payload().display_formatter is None
 
 

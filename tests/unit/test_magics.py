@@ -8,7 +8,8 @@ import re
 import pytest
 
 from taas.job.results import CellResult
-from taas.magics import TaasMagics, cell_number
+from taas.magics import TaasMagics
+from taas.notebook import cell_number
 
 
 class _Recorder:
@@ -48,7 +49,7 @@ def test_a_cells_traceback_name_is_its_own_prompt_number(shell):
 
 
 def test_cell_number_is_the_running_cells_prompt(shell):
-    shell.run_cell("from taas.magics import cell_number", store_history=True)
+    shell.run_cell("from taas.notebook import cell_number", store_history=True)
     result = shell.run_cell("seen = cell_number(get_ipython())", store_history=True)
     assert shell.user_ns["seen"] == result.execution_count
     # Outside any cell, the shell's own count.
@@ -72,7 +73,7 @@ def test_ipython_syntax_in_the_body_reaches_the_session_translated_with_the_cell
 
 
 def test_a_pragma_cells_body_is_translated_too(shell):
-    from taas.magics import pragma_transformer
+    from taas.notebook import pragma_transformer
 
     recorder = _Recorder()
     recorder.run_cell = lambda source, namespace, options, **kwargs: (
@@ -100,7 +101,7 @@ def test_a_magic_with_no_meaning_in_a_rank_is_a_usage_error_before_anything_star
 
 
 def test_a_body_without_ipython_syntax_is_handed_over_as_typed():
-    from taas.magics import translate
+    from taas.notebook import translate
 
     body = "\n\nimport torch\nprint(get_ipython())\n"  # leading blank lines keep the numbering
     assert translate(body) == body

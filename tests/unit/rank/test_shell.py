@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from taas.job import syntax
-from taas.magics import translate
+from taas.notebook import translate
 from taas.rank import shell
 
 SCRIPT = """\
