@@ -12,7 +12,7 @@ import pytest
 from tests.support.cluster_helpers import (LOADER_CELL, LOADER_SETUP, agents, agents_of, connected_kernel,
                                           job_processes, placement_groups_left, relays, sleeping_job)
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
-from tests.support.kernel_driver import cell, cmdline, plain, wait_until_gone
+from tests.support.kernel_driver import Replies, cell, cmdline, plain, wait_until_gone
 from tests.support.ranks import per_rank
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -49,6 +49,26 @@ def test_ranks_spread_over_both_gpu_nodes_with_torchruns_environment(kernel, ray
     assert all(f"[rank{r}] where" in run.stdout for r in range(4))
     assert kernel.run("print(total)").stdout.strip() == "10.0"
     assert "no CUDA device" in run.stdout  # "GPU" nodes without CUDA: gloo, with the one line
+
+
+def test_pdb_and_input_in_a_rank_on_the_second_node_read_the_notebooks_input_box(kernel):
+    """The stdin wire through the node's agent: rank 2 (on the second GPU node) stops at a
+    breakpoint while the others wait in all_reduce; p, then c; then input() there."""
+    pdb = "(Pdb) [rank2] "
+    run = kernel.run(cell("""
+        %%taas --gpus 4
+        import torch, torch.distributed as dist
+        x = torch.ones(1) * dist.get_rank()
+        if dist.get_rank() == 2:
+            breakpoint()
+        dist.all_reduce(x)
+        word = input('word? ') if dist.get_rank() == 2 else None
+        print('sum', x.item(), word)
+        """), replies=Replies((pdb, "p x * 10"), (pdb, "c"), ("[rank2] word? ", "far")))
+    assert run.error is None, run.stderr + run.traceback
+    assert run.prompts == [pdb, pdb, "[rank2] word? "]
+    assert "[rank2] tensor([20.])" in run.before_prompt[1]
+    assert "[rank2] sum 6.0 far" in run.stdout and "sum 6.0 None" in run.stdout, run.stdout
 
 
 def test_a_big_notebook_tensor_reaches_ranks_on_both_nodes_and_stays_the_notebooks(kernel):
