@@ -49,7 +49,7 @@ from taas.rank import comm
 from taas.supervisor.cell import KeptCell
 from taas.supervisor.kept import Kept, Keeper, debug_cell
 from taas.supervisor.supervisor import Supervisor
-from taas.wiring import GROUP_TIMEOUT, launcher_from_env, process_env, rebound_loaders, transport_for
+from taas.wiring import group_timeout, launcher_from_env, process_env, rebound_loaders, transport_for
 from taas.workdir.cwd import working_directory
 
 if TYPE_CHECKING:  # the data plane is imported only when a cell reads a registered loader
@@ -289,7 +289,7 @@ class Session:
             payload=package.Payload(
                 source=source, filename=filename, first_line=first_line, names=blob,
                 bound=cell.bound, device=device, backend=backend,
-                pg_timeout=float(options.timeout or GROUP_TIMEOUT), results=options.results,
+                pg_timeout=group_timeout(options.timeout), results=options.results,
                 results_to_cpu=results.results_to_cpu(options.results_device, local_cuda),
                 text=text if text != source else None, post_mortem=post_mortem),
             world=World(world, device, backend),

@@ -23,6 +23,14 @@ from taas.launch.local.launcher import LocalLauncher
 GROUP_TIMEOUT = 7 * 24 * 3600.0
 
 
+def group_timeout(timeout: float | None) -> float:
+    """The ranks' process-group timeout for a cell with ``--timeout`` (None: without).  With
+    one, a minute past it: taas's own ``--timeout`` ends the job first and shows where every
+    rank was; a group timeout of the same length raced it, and on a busy machine gloo's bare
+    "Timed out waiting" sometimes won.  The group's is only a backstop."""
+    return float(timeout) + 60.0 if timeout else GROUP_TIMEOUT
+
+
 def transport_for(topology: Topology):
     """The data plane's transport where ``topology`` puts the ranks: shared memory when every
     process runs on the kernel's machine, else TCP streams into a relay per node."""
