@@ -13,7 +13,8 @@ No IPython here.
 What has a job of its own lives in its own room: the result format (:mod:`taas.job.results`,
 which also defines :class:`CellResult`), the rendering of a cell's syntax error
 (:func:`taas.io.failure.syntax_error`), the working-directory check
-(:func:`taas.workdir.cwd.working_directory`, re-exported here).
+(:func:`taas.workdir.cwd.working_directory`, re-exported here), and what every job of a cell
+goes through around its run (:mod:`taas.cellrun`: the cell read, the live plot, the notes, settling).
 
 The magics layer (:mod:`taas.magics`) is a thin adapter over :meth:`Session.run_cell`; tests
 and scripts call it directly with a plain dict as the namespace.
@@ -29,14 +30,13 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from taas import directive
+from taas import cellrun, directive
 from taas.errors import DirectiveError, JobFailed, KeptRanksGone, LaunchError
-from taas.io import failure, keys
+from taas.io import keys
 from taas.io.output import INFO, WARN, Sink, TerminalSink
 from taas.io.output import note as write_note
-from taas.io.plot import LivePlot
-from taas.job import analysis, package, results
-from taas.job import metrics as job_metrics  # also how taas.log / taas.metrics reach it (taas/__init__.py)
+from taas.job import package, results
+from taas.job import metrics as job_metrics  # noqa: F401 - also how taas.log / taas.metrics reach it (taas/__init__.py)
 from taas.job.api import Job, JobStats, Policy, World
 from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.resident import ResidentMemory
@@ -45,7 +45,6 @@ from taas.launch.api import cuda_device_count
 from taas.leases import inventory
 from taas.leases.locks import Lease
 from taas.leases.wait import for_cell, machine_lines
-from taas.rank import comm
 from taas.supervisor.cell import KeptCell
 from taas.supervisor.kept import Kept, Keeper, debug_cell
 from taas.supervisor.supervisor import Supervisor
@@ -249,7 +248,7 @@ class Session:
         cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
         local_cuda = cuda_devices if launcher is self.launcher else cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices, launcher.where)
-        cell, values = read_cell(source, namespace, filename, first_line, hidden, name_for)
+        cell, values = cellrun.read_cell(source, namespace, filename, first_line, hidden, name_for)
         if kept is not None:  # kept ranks: only what they lack or the notebook changed
             values = {k: v for k, v in values.items() if not kept.holds(k, v)}
         rebound = rebound_loaders(namespace, values)
@@ -318,21 +317,21 @@ class Session:
              sink: Sink, name_for) -> CellResult:
         """``job`` through the supervisor; rank 0's results for the notebook.  ``stats`` follows
         the supervisor's states and gets the job's figures however it ends."""
-        plot, on_metrics = _live_plot(job, sink)
+        plot, on_metrics = cellrun.live_plot(job, sink)
         supervisor = Supervisor(launcher, job, sink, name_for=name_for,
                                 on_state=lambda state: self._state(stats, state),
                                 on_metrics=on_metrics)
         started = time.monotonic()
         try:
             outcome = supervisor.run()
-            _succeeded(job, outcome, plane, stats, sink)
+            cellrun.succeeded(job, outcome, plane, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()  # rank 0 ended early (sys.exit(0)): nothing to bring back
             back = results.load(results.decode(outcome.result), big.channel)
             stats.results = back.big
             return back
         finally:
-            _settle(plot, big, stats, started, supervisor.outcome)
+            cellrun.settle(plot, big, stats, started, supervisor.outcome)
             stats.restarts = supervisor.machine.restarts
 
     def _state(self, stats: JobStats, state) -> None:
@@ -356,7 +355,7 @@ class Session:
         stats = self.last
         assert stats is not None
         limit = options.keep if options.keep is not None else directive.KEEP_DEFAULT
-        plot, on_metrics = _live_plot(job, sink)
+        plot, on_metrics = cellrun.live_plot(job, sink)
         run = KeptCell(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
                        on_state=lambda state: self._state(stats, state),
                        on_metrics=on_metrics)
@@ -371,7 +370,7 @@ class Session:
                 raise
             if run.kept is not None and not self._debugging:
                 run.kept.failed_rank = None
-            _succeeded(job, outcome, job.data, stats, sink)
+            cellrun.succeeded(job, outcome, job.data, stats, sink)
             if not job.policy.results or outcome.result is None:
                 return CellResult()
             channel = big.channel or (run.kept.channel if run.kept is not None else None)
@@ -383,7 +382,7 @@ class Session:
             if run.kept is not None and run.kept.channel is None:  # they just started: theirs
                 run.kept.channel, big.channel = big.channel, None
             self.keeper.after_cell(run.kept, shipped)
-            _settle(plot, big, stats, started, run.outcome)
+            cellrun.settle(plot, big, stats, started, run.outcome)
 
     @property
     def kept(self) -> Kept | None:
@@ -421,49 +420,3 @@ class Session:
         from taas.data.plane import DataPlane
 
         return DataPlane.plan(values, options, world, device)
-
-
-def read_cell(source: str, namespace: dict, filename: str, first_line: int, hidden: frozenset = frozenset(),
-              name_for=None):
-    """The cell compiled (a syntax error shown as Python shows it, with the cell's own lines),
-    analysed, and the notebook values it reads: what every job of a cell starts from, here or
-    in a job host (taas.host.client)."""
-    try:
-        analysis.compile_cell(source, filename, first_line)
-    except SyntaxError as exc:
-        raise failure.syntax_error(exc, name_for) from None
-    cell = analysis.analyse(source)
-    return cell, package.select(cell.free, namespace, hidden)
-
-
-# -- what a one-cell job and a kept cell share -------------------------------------------------
-def _live_plot(job: Job, sink: Sink):
-    """Rank 0's taas.log scalars, drawn live in the cell: the plot, and the supervisor's
-    ``on_metrics`` that feeds it."""
-    history = job_metrics.HISTORY
-    plot = LivePlot(sink, lambda: history.series(job.job_id, rank=0))
-    return plot, lambda key, rows: plot.changed(history.add(job.job_id, keys.rank_of(key), rows))
-
-
-def _succeeded(job: Job, outcome, plane: DataPlane | None, stats: JobStats, sink: Sink) -> None:
-    """After a job whose ranks all succeeded: the line when each rank trained alone, and the
-    loaders' summary."""
-    stats.outcome = "ok"
-    alone = comm.note(job.world.size, outcome.comm_ops, outcome.trained)
-    if alone:
-        write_note(sink, alone, WARN)
-    if plane is not None:
-        stats.data = plane.summary()
-        for line in stats.data:
-            write_note(sink, line, INFO)
-
-
-def _settle(plot: LivePlot, big: BigValues, stats: JobStats, started: float, outcome) -> None:
-    """However the job ended: the plot's last frame, the big values' files (a rank still
-    running keeps its mapping), the job's figures for ``%taas``."""
-    plot.close()
-    big.close_fds()
-    big.unlink(wait=False)
-    stats.wall_s = time.monotonic() - started
-    stats.exit_codes = outcome.exit_codes
-    stats.comm_ops = outcome.comm_ops

@@ -15,7 +15,8 @@ With ``--keep --detach`` the ranks stay after the cell and the host serves them 
 the record folder (kept.py, channel.py): one kernel at a time adopts them, proving the job's
 secret (adopt.py), and sends its later cells there; their output streams back as it happens.
 
-May import: taas.session (the host runs a Session), taas.jobs, taas.job, taas.io, taas.data,
+May import: taas.session (the host runs a Session), taas.cellrun (the cell read as an attached
+cell's is), taas.jobs, taas.job, taas.io, taas.data,
 taas.directive, taas.workdir, taas.errors, and taas.supervisor (kept ranks' value fingerprints,
 so that an adopting kernel sends only what their host lacks).
 """

@@ -369,7 +369,7 @@ def request_for(source: str, namespace: dict, options: str, *, filename: str, la
     as the notebook has them are left out, and the ones sent are noted there."""
     from taas.data import registry
     from taas.job import package
-    from taas.session import read_cell
+    from taas.cellrun import read_cell
     from taas.workdir.cwd import working_directory
 
     cwd = working_directory()

@@ -60,14 +60,17 @@ ROOMS: dict[str, set[str]] = {
     # The composition root's plain choices: the default launcher, the transport, processes' env.
     "taas.wiring": {"taas.errors", "taas.launch", "taas.launch.local", "taas.data", "taas.data.shm",
                     "taas.data.tcp", "taas.job"},
-    "taas.session": {"taas.wiring", "taas.errors", "taas.shield", "taas.directive", "taas.io", "taas.job",
+    # What every job of a cell goes through around its run (the session's and a job host's).
+    "taas.cellrun": {"taas.errors", "taas.io", "taas.job", "taas.job.memory", "taas.rank", "taas.data"},
+    "taas.session": {"taas.cellrun", "taas.wiring", "taas.errors", "taas.shield", "taas.directive", "taas.io",
+                     "taas.job",
                      "taas.job.memory", "taas.workdir", "taas.launch", "taas.launch.local",
                      "taas.launch.ray", "taas.data", "taas.data.shm", "taas.data.tcp",
                      "taas.rank", "taas.supervisor", "taas.leases"},
     # Jobs that outlive the kernel: their records on disk (pure file operations), the job host
     # that runs one with a Session of its own (and the viewer's side of it), the terminal face.
     "taas.jobs": {"taas.errors", "taas.io"},
-    "taas.host": {"taas.errors", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
+    "taas.host": {"taas.errors", "taas.cellrun", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
                   "taas.directive", "taas.workdir", "taas.supervisor"},
     "taas.cli": {"taas.errors", "taas.host", "taas.jobs", "taas.leases"},
     # The notebook face.
