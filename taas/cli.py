@@ -14,6 +14,7 @@ The terminal face of :mod:`taas.host.client`, as :mod:`taas.magics` is the noteb
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from taas.errors import RenderedError, TaasError
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                        ("forget", "drop a finished job's record")):
         verbs.add_parser(verb, help=text).add_argument("id")
     args = parser.parse_args(argv)
+    if sys.stdin.isatty():  # a person at a terminal: Ctrl-C stops following, even where the
+        # process was started with SIGINT ignored (Python then installs no handler of its own)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     store = Store()
     try:
         return _run(store, args)
