@@ -102,6 +102,14 @@ class Session:
     def warm(self) -> None:
         self.launcher.warm()
 
+    @staticmethod
+    def preload_for_fork() -> None:
+        """Import what this machine's start process imports, without initialising CUDA: a job
+        host forked from this process (taas.host.zygote) then forks its start process warm."""
+        from taas.launch.local import forkstart
+
+        forkstart.preload()
+
     def close(self) -> None:
         self.release()
         if self._cluster_launcher is not None:

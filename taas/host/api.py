@@ -8,6 +8,7 @@
   the cell's own lines), so that an attaching notebook shows what the cell would have shown.
 * On the host's socket, while the kernel that started it waits: :class:`Take` (run this job),
   :class:`Running` (its ranks run).
+* On the zygote's socket (zygote.py): :class:`Fork` (fork a job host that waits for a job).
 * On a kept job's socket (``--keep --detach``; :mod:`taas.host.channel` frames them), between
   the host and the one kernel that adopted its kept ranks::
 
@@ -76,6 +77,18 @@ class Running:
 
     job: str
     ended: bool = False
+
+
+# -- the zygote's socket: a kernel and its warm process that forks job hosts (zygote.py) -------
+@dataclass(frozen=True)
+class Fork:
+    """kernel -> zygote: fork a job host (a spare, waiting for a :class:`Take`).  Two fds ride
+    along as SCM_RIGHTS: the host's end of its socket, and its log (stdout and stderr) until it
+    has a job.  ``env``: the kernel's environment now (the host's, as if the kernel started it);
+    ``ready``: how many processes its start process forks ahead (0: its default)."""
+
+    env: dict
+    ready: int = 0
 
 
 # -- a kept job's socket (--keep --detach) -----------------------------------------------------
@@ -169,18 +182,18 @@ WIRE = {kind.__name__: kind for kind in (Hello, Welcome, Refused, RunCell, Inter
 SHOWN = frozenset({"write", "progress", "display", "live", "panel"})  # the Sink calls Show may name
 
 
-def encode(message: Take | Running) -> bytes:
+def encode(message: Take | Running | Fork) -> bytes:
     import json
 
     return json.dumps({"kind": type(message).__name__, **message.__dict__}).encode()
 
 
-def decode(data: bytes) -> Take | Running | None:
+def decode(data: bytes) -> Take | Running | Fork | None:
     import json
 
     try:
         fields = json.loads(data)
-        kind = {"Take": Take, "Running": Running}[fields.pop("kind")]
+        kind = {"Take": Take, "Running": Running, "Fork": Fork}[fields.pop("kind")]
         return kind(**fields)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -1,9 +1,14 @@
-"""A kernel's job hosts that have no job yet (``Hosts``), and one such host (``_Spare``).
+"""A kernel's job hosts that have no job yet (``Hosts``), one such host (``_Spare``), and the
+warm process that forks them (``_Zygote``).
 
-A host is started ahead of need, in a session of its own, with one end of a SOCK_SEQPACKET
-socketpair: it makes its Session warm and waits for a :class:`~taas.host.api.Take`.  The kernel
-keeps one spare warm at a time; after each ``--detach`` it starts the next.  An idle spare ends
-when the kernel's end of its socket closes (``close``, ``%unload_ext``, the kernel's death).
+A host waits on one end of a SOCK_SEQPACKET socketpair for a :class:`~taas.host.api.Take`.
+With ``Hosts.prewarm`` (at ``%load_ext`` and after each ``--detach``) the kernel keeps one such
+spare ready.  Spares are forked by the kernel's zygote (:mod:`taas.host.zygote`), started once
+and warm from then on, so that a spare is ready in a fraction of a second however many detached
+cells come back to back; until the zygote is up (or with ``TAAS_WARM_HOST=0`` before any
+``--detach``) a host is started as a fresh interpreter instead, warm once it has imported torch.
+An idle spare, and the zygote, end when the kernel's end of their socket closes (``close``,
+``%unload_ext``, the kernel's death).
 """
 
 from __future__ import annotations
@@ -17,78 +22,160 @@ import sys
 import threading
 import time
 
-from taas.host.api import Running, Take, decode, encode
+from taas.host.api import Fork, Running, Take, decode, encode
 from taas.jobs.store import JobError, Store
 
 
 class Hosts:
-    """This kernel's job hosts that have no job yet: one started ahead of need and kept warm
-    (its Session's start process has torch imported) for the next ``--detach``.  A spare host
-    ends when this kernel does (its socket closes); :meth:`close` ends it sooner."""
+    """This kernel's job hosts that have no job yet: one kept ready for the next ``--detach``
+    (forked warm by the zygote).  A spare host ends when this kernel does (its socket closes);
+    :meth:`close` ends it, and the zygote, sooner."""
 
     def __init__(self) -> None:
         self._spare: _Spare | None = None
+        self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
         self._closed = False
 
     def take(self, store: Store) -> _Spare:
-        """A host to give a job to: the warm spare, or a new one (cold) if there is none."""
+        """A host to give a job to: the spare, else one forked by the zygote, else a fresh one."""
         with self._lock:
             spare, self._spare = self._spare, None
-        if spare is not None and spare.process.poll() is None and spare.root == store.root:
+            zygote = self._zygote
+        if spare is not None and spare.alive() and spare.root == store.root:
             return spare
         if spare is not None:
             spare.close()
-        return _Spare(store)
+        return self._new(store, zygote)
 
     def prewarm(self, store: Store, ranks: int | None = None) -> None:
-        """Start the next spare in the background (the next detached cell of a Run All is warm);
-        ``ranks``: how many processes its first job likely has (the kernel's last job's), to
-        have as many forked ahead."""
-        def start() -> None:
-            try:
-                spare = _Spare(store, ranks)
-            except (OSError, JobError):  # no spare: the next detached cell starts one cold
+        """Have the next spare ready (the next detached cell of a Run All finds it warm), and the
+        zygote that forks spares; ``ranks``: how many processes its first job likely has (the
+        kernel's last job's), to have as many forked ahead."""
+        with self._lock:
+            if self._closed:
                 return
-            with self._lock:
-                old, self._spare = self._spare, (None if self._closed else spare)
-            for extra in (old, spare if self._closed else None):
-                if extra is not None:
-                    extra.close()
+            zygote = self._zygote
+            if zygote is None or not zygote.alive():
+                if zygote is not None:
+                    zygote.close()
+                try:
+                    zygote = self._zygote = _Zygote(store)
+                except (OSError, JobError):
+                    zygote = self._zygote = None
+        try:
+            spare = self._new(store, zygote, ranks) if zygote is not None else None
+        except (OSError, JobError):  # no spare: the next detached cell starts one
+            return
+        with self._lock:
+            old, self._spare = self._spare, (None if self._closed else spare)
+        for extra in (old, spare if self._closed else None):
+            if extra is not None:
+                extra.close()
 
-        threading.Thread(target=start, name="taas-spare-host", daemon=True).start()
+    def _new(self, store: Store, zygote: _Zygote | None, ranks: int | None = None) -> _Spare:
+        if zygote is not None and zygote.alive():
+            try:
+                return _Spare(store, ranks, zygote)
+            except OSError:
+                pass  # the zygote just went: a fresh interpreter
+        return _Spare(store, ranks)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.close()
+            zygote, self._zygote = self._zygote, None
+        for closable in (spare, zygote):
+            if closable is not None:
+                closable.close()
+
+
+def _hosts_folder(store: Store) -> pathlib.Path:
+    hosts = store.ensure() / ".hosts"
+    hosts.mkdir(mode=0o700, exist_ok=True)
+    return hosts
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    """Whether the other end of ``sock`` closed (it exited), without taking a message."""
+    try:
+        ready, _, _ = select.select([sock], [], [], 0)
+        if not ready:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def _started(args: list[str], env: dict, log: pathlib.Path, fd: int) -> subprocess.Popen:
+    out = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        process = subprocess.Popen(
+            args, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, close_fds=True,
+            pass_fds=(fd,), start_new_session=True)
+    finally:
+        os.close(out)
+    # Reaped when it ends while this process lives; if this process dies first, init reaps it.
+    threading.Thread(target=process.wait, name="taas-host", daemon=True).start()
+    return process
+
+
+class _Zygote:
+    """The kernel's warm process that forks job hosts (:mod:`taas.host.zygote`)."""
+
+    def __init__(self, store: Store):
+        folder = _hosts_folder(store)
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = folder / f"zygote-{os.getpid()}-{time.monotonic_ns()}.log"  # a crash of taas itself
+        try:
+            env = dict(os.environ, TAAS_ZYGOTE_SOCKET=str(theirs.fileno()), TAAS_ZYGOTE_LOG=str(self.log))
+            self.process = _started([sys.executable, "-m", "taas.host.zygote"], env, self.log, theirs.fileno())
+        finally:
+            theirs.close()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None and not _peer_gone(self.sock)
+
+    def fork(self, host_end: int, log: int, ranks: int | None, env: dict) -> None:
+        socket.send_fds(self.sock, [encode(Fork(env, ranks or 0))], [host_end, log])
+
+    def close(self) -> None:
+        """It exits when its socket closes (and removes its log unless it said something)."""
+        self.sock.close()
 
 
 class _Spare:
-    """A job host started by this kernel, waiting on its socket for a job."""
+    """A job host started for this kernel (forked by ``zygote``, else started fresh), waiting
+    on its socket for a job."""
 
-    def __init__(self, store: Store, ranks: int | None = None):
+    def __init__(self, store: Store, ranks: int | None = None, zygote: _Zygote | None = None):
         self.root = store.root
-        hosts = store.ensure() / ".hosts"
-        hosts.mkdir(mode=0o700, exist_ok=True)
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Its stderr until it has a job (then the record's host.log): a crash of taas itself.
-        log = hosts / f"{os.getpid()}-{time.monotonic_ns()}.log"
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+        log = _hosts_folder(store) / f"{os.getpid()}-{time.monotonic_ns()}.log"
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process: subprocess.Popen | None = None
         try:
-            env = dict(os.environ, TAAS_HOST_SOCKET=str(theirs.fileno()), TAAS_HOST_LOG=str(log))
-            if ranks:
-                env["TAAS_READY_HINT"] = str(ranks)
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "taas.host"], env=env, stdin=subprocess.DEVNULL, stdout=fd,
-                stderr=subprocess.STDOUT, close_fds=True, pass_fds=(theirs.fileno(),), start_new_session=True)
+            env = dict(os.environ, TAAS_HOST_LOG=str(log))
+            if zygote is not None:
+                out = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    zygote.fork(theirs.fileno(), out, ranks, env)
+                finally:
+                    os.close(out)
+            else:
+                env["TAAS_HOST_SOCKET"] = str(theirs.fileno())
+                if ranks:
+                    env["TAAS_READY_HINT"] = str(ranks)
+                self.process = _started([sys.executable, "-m", "taas.host"], env, log, theirs.fileno())
+        except OSError:
+            self.sock.close()
+            raise
         finally:
-            os.close(fd)
             theirs.close()
-        # Reaped when it ends while this process lives; if this process dies first, init reaps it.
-        threading.Thread(target=self.process.wait, name="taas-host", daemon=True).start()
+
+    def alive(self) -> bool:
+        return (self.process is None or self.process.poll() is None) and not _peer_gone(self.sock)
 
     def give(self, folder: pathlib.Path, lock: int) -> None:
         socket.send_fds(self.sock, [encode(Take(str(folder)))], [lock])

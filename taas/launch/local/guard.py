@@ -26,9 +26,12 @@ from collections.abc import Callable
 from taas.launch.local import unix
 
 
-def main(fd: int, kernel: int, become_starter: Callable[[int, int], None]) -> None:
+def main(fd: int, kernel: int, become_starter: Callable[[int, int], None],
+         watch: Callable[[int, int], None] | None = None) -> None:
     """Run as the guard of ``kernel``; the forked child calls ``become_starter(fd, guard_pid)``
-    (the start process, :func:`taas.launch.local.starter.start_process`) and never returns."""
+    (the start process, :func:`taas.launch.local.starter.start_process`) and never returns.
+    ``watch(start_pid, kernel)``: the guard's life from then on (default :func:`_watch`; a guard
+    forked from a warm process execs a fresh one, :mod:`taas.launch.local.forkstart`)."""
     unix.prctl(unix.PR_SET_PDEATHSIG, signal.SIGTERM)  # first: the kernel may die at any moment
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
     if os.getppid() != kernel:  # it died before we asked
@@ -40,7 +43,7 @@ def main(fd: int, kernel: int, become_starter: Callable[[int, int], None]) -> No
     if pid:
         unix.setpgid(pid)  # also done by the child; whichever runs first
         os.close(fd)  # the kernel's channel is the start process's alone (EOF when it goes)
-        _watch(pid, kernel)
+        (watch or _watch)(pid, kernel)
     # A process group of our own, first: one killpg must never reach the guard and us at once.
     unix.setpgid(0)
     # SIGTERM, not SIGKILL: a guard killed by SIGKILL can no longer clean up after us, so we
@@ -95,3 +98,13 @@ def remove_kernel_trash(kernel: int) -> None:
     # agent (taas.launch.ray.agent) that died without shutting down.
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"taas-workdir-{kernel}-*")):
         remove(path)
+
+
+if __name__ == "__main__":
+    # ``python -m taas.launch.local.guard START_PID KERNEL``: a forked guard that exec'd to be
+    # small (taas.launch.local.forkstart); its parent-death signal, subreaper flag and blocked
+    # signals came through the exec (the flag is set again: harmless, and sure).
+    import sys
+
+    unix.prctl(unix.PR_SET_CHILD_SUBREAPER, 1)
+    _watch(int(sys.argv[1]), int(sys.argv[2]))

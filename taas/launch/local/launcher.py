@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from taas.errors import LaunchError
 from taas.launch import rendezvous
 from taas.launch.api import Launcher, LaunchSpec, ProcessSpec, Topology
-from taas.launch.local import jobdir, protocol
+from taas.launch.local import forkstart, jobdir, protocol
 
 # LocalJob and the checks are re-exported: callers import them from here.
 from taas.launch.local.job import LocalJob
@@ -47,7 +47,7 @@ class LocalLauncher(Launcher):
     keeps_ranks = True  # LocalJob implements next_cell and interrupt (--keep)
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | forkstart.ForkedGuard | None = None
         self._sock: socket.socket | None = None
         self._conn: Connection | None = None
         self._ready = False
@@ -55,6 +55,8 @@ class LocalLauncher(Launcher):
         # The start process's answers about each live job (several live at once with kept
         # ranks and a cell's loader job): taas.launch.local.mailboxes.
         self._mail = Mailboxes()
+        # A job host forked warm (taas.host.zygote) forks its start process too, once.
+        self._fork_start = forkstart.asked()
 
     # -- the start process ---------------------------------------------------------------
     def warm(self) -> None:
@@ -69,15 +71,19 @@ class LocalLauncher(Launcher):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         try:
             with deferred_interrupt():  # never a started guard we do not know of
-                self._proc = _spawner.submit(
-                    subprocess.Popen,
-                    [sys.executable, "-m", "taas.launch.local.starter", str(theirs.fileno()),
-                     str(os.getpid())],
-                    pass_fds=[theirs.fileno()],
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,  # the kernel's interrupt (SIGINT to its group) is its own
-                ).result()
+                if self._fork_start and forkstart.may_fork():  # a warm job host: torch already imported
+                    self._fork_start = False  # a later start process (this one died): a fresh one
+                    self._proc = forkstart.fork_guard(theirs.fileno(), package_root)
+                else:
+                    self._proc = _spawner.submit(
+                        subprocess.Popen,
+                        [sys.executable, "-m", "taas.launch.local.starter", str(theirs.fileno()),
+                         str(os.getpid())],
+                        pass_fds=[theirs.fileno()],
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        start_new_session=True,  # the kernel's interrupt (SIGINT to its group) is its own
+                    ).result()
         finally:
             theirs.close()
         self._sock = ours
@@ -247,7 +253,7 @@ def _place(spec: LaunchSpec, job_dir: str, port: int) -> list[ProcessSpec]:
     return out
 
 
-def _end_guard(proc: subprocess.Popen) -> None:
+def _end_guard(proc: subprocess.Popen | forkstart.ForkedGuard) -> None:
     """End the start process's guard: SIGTERM makes it kill everything below it first (and
     if it must be SIGKILLed, the start process's parent-death SIGTERM does that instead)."""
     if proc.poll() is None:

@@ -1,0 +1,66 @@
+"""A kernel's job hosts ahead of need (taas.host.spares, taas.host.zygote), with real processes:
+detached jobs back to back run on hosts the zygote forked, hosts that are nobody's child here;
+a zygote that is gone costs a fresh host, not the job; closing ends the zygote, leaving no log."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import cloudpickle
+import psutil
+
+from taas.host import client
+from taas.host.api import Request
+from taas.host.spares import Hosts
+from taas.jobs.api import State
+from taas.jobs.store import Store
+from tests.support.sinks import Recorder
+
+
+def _request(cwd, body: str) -> Request:
+    return Request(source=body, options="--gpus 1", names=cloudpickle.dumps({}), filename="<cell>", label=None,
+                   first_line=1, cwd=str(cwd))
+
+
+def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAAS_HOME", str(tmp_path / "home"))
+    store = Store()
+    hosts = Hosts()
+    hosts.prewarm(store)
+    zygote = hosts._zygote
+    assert zygote is not None
+    go = tmp_path / "go"
+    body = f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\nprint('job', {{}})\n"
+    try:
+        records = [client.start(store, _request(tmp_path, body.format(i)), ranks=1, where="this machine",
+                                notebook="nb", sink=Recorder(), hosts=hosts) for i in range(2)]
+        for record in records:  # both run at once, each on a host of its own
+            host = psutil.Process(store.read(record.id).host_pid)
+            assert host.ppid() != os.getpid()  # forked by the zygote's middle child: not ours
+            assert "taas.host.zygote" in " ".join(host.cmdline())
+        assert len({store.read(r.id).host_pid for r in records}) == 2
+        go.touch()
+        for i, record in enumerate(records):
+            sink = Recorder()
+            assert client.follow(store, record.id, sink).state is State.DONE
+            assert f"job {i}" in sink.text()
+        os.kill(zygote.process.pid, signal.SIGKILL)  # gone: the next host is a fresh interpreter
+        zygote.process.wait()
+        ready = hosts.take(store)  # the spare forked after the last job lives on without it
+        assert ready.process is None and ready.alive()
+        ready.close()
+        spare = hosts.take(store)
+        assert spare.process is not None and spare.alive()
+        spare.close()
+        assert spare.process.wait(timeout=60) == 0  # an idle host ends when its socket closes
+    finally:
+        go.touch()
+        hosts.close()
+    hosts2 = Hosts()
+    hosts2.prewarm(store)
+    second = hosts2._zygote
+    assert second is not None
+    hosts2.close()
+    assert second.process.wait(timeout=60) == 0  # the zygote ends when its socket closes...
+    assert not second.log.exists()  # ...and its log, empty, goes with it
