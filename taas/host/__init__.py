@@ -11,6 +11,9 @@ holds its record's lock for its life: when it dies, its launcher's guard ends th
 kernel's death does today) and the record reads ``lost``.  A kernel, a second notebook or a
 terminal (:mod:`taas.cli`) are viewers: they read the record, never the host's memory.
 
+Hosts are kept ready ahead of need (spares.py), forked by a warm process of the kernel's, its
+zygote (zygote.py), so that detached cells back to back each find one.
+
 With ``--keep --detach`` the ranks stay after the cell and the host serves them on a socket in
 the record folder (kept.py, channel.py): one kernel at a time adopts them, proving the job's
 secret (adopt.py), and sends its later cells there; their output streams back as it happens.

@@ -34,8 +34,10 @@ from taas.jobs import api as records
 from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogReader, read_view
 from taas.jobs.store import JobError, Store, hold_lock, new_id, write_file
+from taas.jobs.watch import Changes
 
-POLL = 0.02  # how often a follower looks at the record and its log (s)
+POLL = 0.02  # how often a follower looks at the record and its log (s) without inotify
+LOOK = 0.5  # with inotify (jobs/watch.py): woken by each change, it still looks this often (a lost host)
 LATEST = 64 << 10  # how much of the latest output (bytes of text) an attach shows before going live
 CANCEL_GRACE = 5.0  # the host stops every process within this; then SIGKILL (its guard ends the rest)
 
@@ -98,7 +100,7 @@ def start(store: Store, request: Request, *, ranks: int, where: str, notebook: s
         raise
     finally:
         host.close()
-        hosts.prewarm(store, record.ranks or None)
+        hosts.prewarm(store, record.ranks or None, later=True)
     if record.state is State.WAITING:  # the host ended before it wrote a word
         raise LaunchError(f"taas: the host of job {record.id} could not start: "
                           f"{_tail(folder / 'host.log')}")
@@ -254,13 +256,14 @@ def follow(store: Store, job_id: str, sink, *, latest: int | None = LATEST,
     """Show job ``job_id`` from its latest output, then live, until it ends (a kept job: until its
     cell ends and the ranks wait): its record then.  KeyboardInterrupt leaves the job running (the caller says so)."""
     follower = Follower(store, job_id, sink, latest=latest, on_metrics=on_metrics)
-    while True:
-        follower.step()
-        record = store.read(job_id)
-        if record.state.final or record.state is State.KEPT:  # kept: its cell ended, the ranks wait
-            follower.finish()
-            return record
-        time.sleep(POLL)
+    with Changes(store.folder(job_id), fallback=POLL) as changes:
+        while True:
+            follower.step()
+            record = store.read(job_id)
+            if record.state.final or record.state is State.KEPT:  # kept: its cell ended, the ranks wait
+                follower.finish()
+                return record
+            changes.wait(LOOK)
 
 
 def take(store: Store, record: JobRecord) -> Returned:

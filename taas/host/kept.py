@@ -118,13 +118,16 @@ class KeptHost:
         self.events.put(("gone", conn, None))
 
     # -- the main thread ---------------------------------------------------------------------
-    def serve(self):
-        """Serve the kept ranks until they end; the job's final record."""
+    def serve(self, ready=None):
+        """Serve the kept ranks until they end; the job's final record.  ``ready()``: called once
+        a cancel (SIGTERM) is this loop's (the host says the ranks are kept then)."""
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_int)
         job, world = self.record.id, self.session.kept.world
         what = f"the kept ranks ({world.size} on {world.device}/{world.backend})"
         try:
+            if ready is not None:
+                ready()
             state, cause = self._loop()
         except KeyboardInterrupt:  # a cancel (during a cell, too)
             state, cause = State.CANCELLED, "cancelled"

@@ -105,15 +105,20 @@ def main() -> int:
         record = _run(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)),
                       namespace)
         if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
-            store.write(record)
-            _tell(channel, Running(record.id, ended=True))
+            kept_record = record
             try:
                 kept = KeptHost(session, store, record, namespace, sink)
             except OSError as exc:  # no socket: no notebook could adopt them, so they end now
                 session.release()
                 record = record.replace(state=State.DONE, cause=f"its kept ranks could not be served: {exc}")
+            except KeyboardInterrupt:  # cancelled meanwhile
+                session.release()
+                record = record.replace(state=State.CANCELLED, cause="cancelled")
             else:
-                record = kept.serve()
+                # The record says kept once a cancel is the kept ranks' cancel (serve's handler):
+                # one that came between would leave the record saying kept with no host.
+                record = kept.serve(ready=lambda: (store.write(kept_record),
+                                                   _tell(channel, Running(kept_record.id, ended=True))))
     finally:
         # The job is over: a cancel now must not cut the writing of its end short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -25,6 +25,10 @@ import time
 from taas.host.api import Fork, Running, Take, decode, encode
 from taas.jobs.store import JobError, Store
 
+# After a detached job starts, its first moments are its own: the next spare is forked this
+# much later (a detached cell before then forks one at once, so waiting hides no cost).
+SETTLE = 1.0
+
 
 class Hosts:
     """This kernel's job hosts that have no job yet: one kept ready for the next ``--detach``
@@ -34,6 +38,7 @@ class Hosts:
     def __init__(self) -> None:
         self._spare: _Spare | None = None
         self._zygote: _Zygote | None = None
+        self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -48,10 +53,21 @@ class Hosts:
             spare.close()
         return self._new(store, zygote)
 
-    def prewarm(self, store: Store, ranks: int | None = None) -> None:
+    def prewarm(self, store: Store, ranks: int | None = None, later: bool = False) -> None:
         """Have the next spare ready (the next detached cell of a Run All finds it warm), and the
         zygote that forks spares; ``ranks``: how many processes its first job likely has (the
-        kernel's last job's), to have as many forked ahead."""
+        kernel's last job's), to have as many forked ahead; ``later``: in ``SETTLE`` seconds (after a
+        detached cell: its job's first moments are its own)."""
+        if later and SETTLE > 0:
+            timer = threading.Timer(SETTLE, self.prewarm, (store, ranks))
+            timer.daemon = True
+            with self._lock:
+                old, self._timer = self._timer, (None if self._closed else timer)
+            if old is not None:
+                old.cancel()
+            if self._timer is timer:
+                timer.start()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -86,6 +102,9 @@ class Hosts:
             self._closed = True
             spare, self._spare = self._spare, None
             zygote, self._zygote = self._zygote, None
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
         for closable in (spare, zygote):
             if closable is not None:
                 closable.close()

@@ -12,6 +12,8 @@ kernel; everything a later notebook or a terminal needs to see the job is in its
       view.json      what is shown in place now: open progress bars, the rank panel, the plot
       results.pkl    rank 0's names and Out[] until a notebook takes them (once)
 
+A viewer waits for the folder's next change (watch.py, inotify) rather than looking at a period.
+
 Pure file operations: no processes are started here, nothing imports IPython or torch.
 May import: taas.errors, taas.io (how sizes are written).
 """

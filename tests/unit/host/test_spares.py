@@ -10,7 +10,7 @@ import signal
 import cloudpickle
 import psutil
 
-from taas.host import client
+from taas.host import client, spares
 from taas.host.api import Request
 from taas.host.spares import Hosts
 from taas.jobs.api import State
@@ -25,6 +25,7 @@ def _request(cwd, body: str) -> Request:
 
 def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, monkeypatch):
     monkeypatch.setenv("TAAS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(spares, "SETTLE", 0.0)  # the spare after each detach: forked at once
     store = Store()
     hosts = Hosts()
     hosts.prewarm(store)
