@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -19,6 +17,7 @@ from taas.jobs import api
 from taas.jobs.api import State
 from taas.jobs.store import JobError, Store, write_file
 from tests.support.jobs import make_record
+from tests.support.users import needs_another_user, passable_folder, python_as_nobody
 
 # A job host's part, and nothing else: hold the record's lock, say so, wait to be killed.
 HOLDER = r"""
@@ -139,20 +138,13 @@ except JobError as exc:
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="running as another user (setpriv) needs root")
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="no setpriv")
+@needs_another_user
 def test_another_user_can_neither_list_nor_read_the_records():
-    # Under a folder that user may pass through (pytest's tmp folders are root's own, 0700):
-    # what stops it must be the records' own modes.
-    base = pathlib.Path(tempfile.mkdtemp(prefix="taas-store-"))
-    try:
-        os.chmod(base, 0o755)
+    with passable_folder("taas-store-") as base:  # what stops that user: the records' own modes
         store = Store(base / "jobs")
         store.create(record("a1b2c3"))
-        result = subprocess.run(
-            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-             sys.executable, "-c", OTHER_USER, str(store.root), "a1b2c3"],
-            capture_output=True, text=True, cwd="/", timeout=60)
+        result = subprocess.run(python_as_nobody(OTHER_USER, str(store.root), "a1b2c3"),
+                                capture_output=True, text=True, cwd="/", timeout=60)
         assert result.returncode == 0, result.stderr
         lines = result.stdout.splitlines()
         assert lines[:2] == ["list refused", "read refused"], result.stdout
@@ -160,8 +152,6 @@ def test_another_user_can_neither_list_nor_read_the_records():
         for line in lines[2:]:
             assert line.startswith("store refused: taas: the job records folder"), line
             assert "belongs to another user (uid 0)" in line
-    finally:
-        shutil.rmtree(base)
 
 
 # -- damaged records ---------------------------------------------------------------------------

@@ -4,17 +4,11 @@ needs root (as CI runs)."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-import shutil
 import subprocess
-import sys
-import tempfile
-
-import pytest
 
 from taas.leases import locks
 from taas.leases.api import Holder
+from tests.support.users import needs_another_user, passable_folder, python_as_nobody
 
 OTHER_USER = r"""
 import os, sys
@@ -36,19 +30,15 @@ sys.stdin.read()  # holds its lease and its place until root closes our stdin
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="running as another user (setpriv) needs root")
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="no setpriv")
+@needs_another_user
 def test_two_users_lease_in_one_directory_and_neither_removes_the_others_files():
-    base = pathlib.Path(tempfile.mkdtemp(prefix="taas-leases-"))
-    try:
-        os.chmod(base, 0o755)  # the other user passes through; the lock directory is 1777
+    with passable_folder("taas-leases-") as base:  # the lock directory in it is 1777
         path = str(base / "leases")
         locks.ensure(path)
         mine = locks.try_take(path, ["GPU-a"], Holder("rootjob", "root"))
         assert mine is not None
         other = subprocess.Popen(
-            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-             sys.executable, "-c", OTHER_USER, path],
+            python_as_nobody(OTHER_USER, path),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
         try:
             assert other.stdout is not None and other.stdin is not None
@@ -68,8 +58,6 @@ def test_two_users_lease_in_one_directory_and_neither_removes_the_others_files()
         assert again is not None  # a file another user created: root leases it (0666)
         again.close()
         mine.close()
-    finally:
-        shutil.rmtree(base)
 
 
 NOT_SHARED = r"""
@@ -84,20 +72,13 @@ except LaunchError as exc:
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="running as another user (setpriv) needs root")
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="no setpriv")
+@needs_another_user
 def test_a_lock_directory_another_user_did_not_share_is_one_line():
-    base = pathlib.Path(tempfile.mkdtemp(prefix="taas-leases-"))
-    try:
-        os.chmod(base, 0o755)
+    with passable_folder("taas-leases-") as base:
         (base / "leases").mkdir(mode=0o755)  # root's, not 1777: nobody may not lease there
-        result = subprocess.run(
-            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-             sys.executable, "-c", NOT_SHARED, str(base / "leases")],
-            capture_output=True, text=True, cwd="/", timeout=60)
+        result = subprocess.run(python_as_nobody(NOT_SHARED, str(base / "leases")),
+                                capture_output=True, text=True, cwd="/", timeout=60)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == (
             f"cannot use the GPU lease directory {base / 'leases'} (uid 0's, mode 755, not shared "
             "(1777)); set TAAS_LEASE_DIR to a directory every user of this machine can write")
-    finally:
-        shutil.rmtree(base)
