@@ -107,8 +107,12 @@ def test_a_killed_kernel_leaves_the_job_and_a_new_kernel_gets_its_results(workdi
         assert record(home, job)["state"] == "running"  # the cell returned once the ranks ran
         tree = host_tree(home, job)
         assert len(ranks_of(tree)) == 2
+        # The kernel's warm process that forks job hosts (taas.host.zygote) is its child.
+        zygotes = [p for p in psutil.Process(first.pid).children() if "taas.host.zygote" in " ".join(p.cmdline())]
+        assert len(zygotes) == 1
         os.kill(first.pid, signal.SIGKILL)  # nothing of the kernel is needed from now on
         wait_until_gone([first.pid])
+        assert wait_until_gone([z.pid for z in zygotes]) == []  # it ends with the kernel
     finally:
         first.shutdown()
     assert all(p.is_running() for p in tree)  # the job goes on
