@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.launching.job import THINK_TIME
 from benchmarks.launching.kernels import TRIVIAL, timed
 
-WARM_PAUSE = 10.0  # s: time enough for a job host started after a detached cell to be warm here
+WARM_PAUSE = 10.0  # s: time enough for the job host forked after a detached cell to be warm, however busy
 
 
 def _job(run) -> str:
@@ -54,8 +54,9 @@ def run_start(ranks: int, repeat: int) -> None:
             warm = _job(kernel.run(detached))  # and a job host has run a job of this size
             kernel.run(f"%taas attach {warm}")
             time.sleep(10)  # the next job host (started after that job) is warm
-            # A job host is started after each detached cell: 10 s later it is warm; after a
-            # person's short pause, or back to back, it may not be yet (its warm-up is shown).
+            # The kernel's zygote forks the next job host 1 s after each detached cell
+            # (spares.SETTLE); a detached cell that comes sooner (back to back) has one forked
+            # for it then, and that shows in its time.
             for pause, label in ((WARM_PAUSE, f"after a {WARM_PAUSE:g} s pause (a warm job host)"),
                                  (THINK_TIME, f"after a {THINK_TIME:g} s pause"), (0.0, "back to back (Run All)")):
                 times: dict[str, list[float]] = {"attached": [], "detached cell": [], "detached job": []}
