@@ -105,8 +105,9 @@ def test_a_killed_kernel_leaves_the_job_and_a_new_kernel_gets_its_results(workdi
             """)))
         job = job_of(run)
         assert record(home, job)["state"] == "running"  # the cell returned once the ranks ran
-        tree = host_tree(home, job)
-        assert len(ranks_of(tree)) == 2
+        # Both ranks run; a rank forked a moment ago takes its name (taas-rankN) as it starts.
+        tree = wait_for(lambda: next((t for t in [host_tree(home, job)] if len(ranks_of(t)) == 2), None),
+                        what="both ranks under the host")
         # The kernel's warm process that forks job hosts (taas.host.zygote) is its child.
         zygotes = [p for p in psutil.Process(first.pid).children() if "taas.host.zygote" in " ".join(p.cmdline())]
         assert len(zygotes) == 1
