@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
 from tests.support.cluster_helpers import connected_kernel, job_processes, named
-from tests.support.kernel_driver import cmdline, plain, wait_for, wait_until_gone
+from tests.support.kernel_driver import cmdline, one_line_usage_error, plain, wait_for, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
@@ -77,7 +77,8 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_
     assert "[rank0] before 0" in logs or "before 0" in logs, logs
     assert "after" in logs, logs
     again = kernel.run(f"%taas attach {job}")
-    assert "already taken" in plain(again.traceback), again.traceback
+    # The output again, then one line: the results landed once.
+    assert again.status == "error" and f"UsageError: taas: job {job}'s results were already taken" in again.stderr
     assert wait_until_gone(ranks, timeout=30) == []
     wait_for(lambda: not _hosts(ray_cluster), timeout=30, what="the job host ending with its job")
     forgot = kernel.run(f"%taas forget {job}")
@@ -85,6 +86,8 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_
 
 
 def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel, ray_cluster, tmp_path):
+    refused = one_line_usage_error(kernel.run("%%taas --gpus 2 --keep --detach\nx = 1"))
+    assert "--keep --detach runs on this machine only" in refused
     forever = WAITING.format(go=str(tmp_path / "never"))
     job = _detached(kernel.run(forever))
     wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
@@ -92,7 +95,7 @@ def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel,
     cancelled = kernel.run(f"%taas cancel {job}")
     assert f"taas: job {job} cancelled" in cancelled.stdout, (cancelled.stdout, cancelled.traceback)
     assert wait_until_gone(ranks, timeout=5) == [], [cmdline(p) for p in job_processes(ray_cluster)]
-    assert "nothing to cancel" in plain(kernel.run(f"%taas cancel {job}").traceback)
+    assert "nothing to cancel" in one_line_usage_error(kernel.run(f"%taas cancel {job}"))
 
     job = _detached(kernel.run(forever.replace("--detach", "--detach --fresh")))
     wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")

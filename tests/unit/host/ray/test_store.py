@@ -135,7 +135,6 @@ def test_the_chunked_log_replays_through_the_hosts_follower():
     seen = Recorder()
     client.Follower(store, "a1b2c3", seen).finish()
     assert seen.text() == "[rank0] step 1\n"
-    sink.write("stdout", "later\n")  # the log's writer is closed: the reader's place holds
 
 
 def test_the_log_is_bounded_keeps_head_and_latest_and_says_what_was_dropped():
@@ -169,3 +168,14 @@ def test_results_are_taken_once():
     assert again.taken is not None and again.taken <= time.time()
     with pytest.raises(JobError, match="already taken"):
         take(store, again)
+
+
+def test_the_same_cell_of_the_same_notebook_finds_its_running_job():
+    kv = DictKV()
+    store = RayStore(kv, owner=ME, alive=lambda job_id: True)
+    cell = "--gpus 2 --detach\ntrain()"
+    store.write(record("a1b2c3", source_hash=client.source_hash(cell)))
+    store.write(record("d4e5f6", source_hash=client.source_hash(cell), state=State.DONE, ended=time.time()))
+    assert client.running_copy(store, cell, "nb.ipynb").id == "a1b2c3"
+    assert client.running_copy(store, cell, "other.ipynb") is None
+    assert client.running_copy(store, cell + "\n", "nb.ipynb") is None
