@@ -151,8 +151,8 @@ class TaasMagics(Magics):
                                             workdir_limit=self.session.workdir_limit)
         except (*_BEFORE_LAUNCH, client.JobError) as exc:
             raise UsageError(str(exc)) from None
-        follow = ("from a notebook connected to the cluster" if launcher is not None
-                  else f"or taas attach {record.id} in a terminal")
+        cluster = f"--cluster {launcher.address} " if launcher is not None else ""
+        follow = f"or taas {cluster}attach {record.id} in a terminal"
         print(f"taas: job {record.id} detached: {record.ranks} ranks; follow it with %taas attach {record.id}, "
               f"{follow}")
         return None

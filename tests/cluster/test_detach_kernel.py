@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 
 import pytest
 
@@ -108,3 +109,8 @@ def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel,
     assert re.search(rf"{job}\s+lost", listed.stdout), listed.stdout
     assert "ended without a word" in listed.stdout, listed.stdout
     wait_for(lambda: not named(ray_cluster, "taas-rank"), timeout=30, what="no rank anywhere")
+    # A terminal on the cluster's network sees the same records (one Ray connection: kept to one call).
+    terminal = ray_cluster.run([sys.executable, "-m", "taas.cli", "--cluster", ray_cluster.address, "jobs"],
+                               cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert terminal.returncode == 0, terminal.stderr
+    assert re.search(rf"{job}\s+lost", terminal.stdout) and "cancelled" in terminal.stdout, terminal.stdout

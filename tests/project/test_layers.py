@@ -74,7 +74,7 @@ ROOMS: dict[str, set[str]] = {
                   "taas.directive", "taas.workdir", "taas.supervisor"},
     # A detached job on a Ray cluster: its host a detached actor, its records in the cluster's KV.
     "taas.host.ray": {"taas.errors", "taas.host", "taas.jobs", "taas.session", "taas.launch.ray"},
-    "taas.cli": {"taas.errors", "taas.host", "taas.jobs", "taas.leases"},
+    "taas.cli": {"taas.errors", "taas.host", "taas.host.ray", "taas.jobs", "taas.leases"},
     # The notebook face.
     "taas.status": {"taas.session", "taas.data"},
     "taas.notebook": {"taas.errors", "taas.directive", "taas.job"},

@@ -20,6 +20,14 @@ from taas.jobs.store import JobError, new_id
 STARTED = 600.0  # the host has this long to say its ranks run (a cold actor imports torch)
 
 
+def connect(address: str):
+    """A connection to the cluster at ``address`` for a terminal (``taas --cluster``): what
+    :func:`store_for` and :func:`cancel` take (``connect()``, ``address``)."""
+    from taas.launch.ray.cluster import RayCluster
+
+    return RayCluster(address)
+
+
 def store_for(launcher) -> RayStore:
     """The records of this user on ``launcher``'s cluster (connects if needed)."""
     ray = launcher.connect()
