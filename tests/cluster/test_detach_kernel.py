@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
-from tests.support.cluster_helpers import connected_kernel, job_processes, named
+from tests.support.cluster_helpers import connected_kernel, job_processes, named, placement_groups_left
 from tests.support.kernel_driver import cmdline, one_line_usage_error, plain, wait_for, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -75,8 +75,7 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_
     shown = kernel.run("print(answer)")
     assert shown.stdout.strip() == "30", (shown.stdout, shown.traceback)
     logs = plain(kernel.run(f"%taas logs {job}").stdout)
-    assert "[rank0] before 0" in logs or "before 0" in logs, logs
-    assert "after" in logs, logs
+    assert "before 0" in logs and "before 1" in logs and "after 0" in logs, logs
     again = kernel.run(f"%taas attach {job}")
     # The output again, then one line: the results landed once.
     assert again.status == "error" and f"UsageError: taas: job {job}'s results were already taken" in again.stderr
@@ -98,6 +97,7 @@ def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel,
     assert wait_until_gone(ranks, timeout=5) == [], [cmdline(p) for p in job_processes(ray_cluster)]
     assert "nothing to cancel" in one_line_usage_error(kernel.run(f"%taas cancel {job}"))
 
+    first = job
     job = _detached(kernel.run(forever.replace("--detach", "--detach --fresh")))
     wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
     ranks = [p.pid for p in job_processes(ray_cluster)]
@@ -109,8 +109,12 @@ def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel,
     assert re.search(rf"{job}\s+lost", listed.stdout), listed.stdout
     assert "ended without a word" in listed.stdout, listed.stdout
     wait_for(lambda: not named(ray_cluster, "taas-rank"), timeout=30, what="no rank anywhere")
+    assert placement_groups_left(ray_cluster) == "0"  # the dead host's GPUs are free again
     # A terminal on the cluster's network sees the same records (one Ray connection: kept to one call).
     terminal = ray_cluster.run([sys.executable, "-m", "taas.cli", "--cluster", ray_cluster.address, "jobs"],
                                cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     assert terminal.returncode == 0, terminal.stderr
-    assert re.search(rf"{job}\s+lost", terminal.stdout) and "cancelled" in terminal.stdout, terminal.stdout
+    assert re.search(rf"{job}\s+lost", terminal.stdout) and re.search(rf"{first}\s+cancelled", terminal.stdout), \
+        terminal.stdout
+    for ended in (first, job):  # the records go: nothing of this module is left in the cluster's KV
+        assert f"job {ended} forgotten" in kernel.run(f"%taas forget {ended}").stdout
