@@ -8,6 +8,9 @@
     taas cancel ID         stop every rank and loader worker
     taas forget ID         drop a finished job's record
 
+    taas --cluster ADDRESS ...   the same on a Ray cluster's detached jobs (taas.host.ray):
+                           ADDRESS as ``%taas cluster`` takes it
+
 The terminal face of :mod:`taas.host.client`, as :mod:`taas.magics` is the notebook's.
 """
 
@@ -78,6 +81,8 @@ class TerminalView:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="taas", description="Your detached taas jobs (%%taas --detach).")
+    parser.add_argument("--cluster", metavar="ADDRESS", help="the jobs detached on this Ray cluster "
+                        "(what ray.init(address=...) takes), not this machine's")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="COMMAND")
     verbs.add_parser("jobs", help="list your jobs")
     logs = verbs.add_parser("logs", help="print a job's output")
@@ -91,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     if sys.stdin.isatty():  # a person at a terminal: Ctrl-C stops following, even where the
         # process was started with SIGINT ignored (Python then installs no handler of its own)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    store = Store()
     try:
-        return _run(store, args)
+        if args.cluster:
+            from taas.host.ray import client as cluster_jobs
+
+            cluster = cluster_jobs.connect(args.cluster)
+            store = cluster_jobs.store_for(cluster)
+            return _run(store, args, cluster)
+        return _run(Store(), args)
     except JobError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -102,15 +112,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _run(store: Store, args) -> int:
+def _run(store, args, cluster=None) -> int:
+    """``args``' command on ``store``: this machine's records, or (``cluster``) a Ray cluster's."""
     if args.verb == "jobs":
         print(listing.render(store.listing()))
-        for line in machine_lines(inventory.gpus(fallback=False)):  # NVML's GPUs, or the leases alone
-            print(line)
+        if cluster is None:
+            for line in machine_lines(inventory.gpus(fallback=False)):  # NVML's GPUs, or the leases alone
+                print(line)
         return 0
     job_id = store.resolve(args.id)
     if args.verb == "cancel":
-        record = client.cancel(store, job_id)
+        if cluster is not None:
+            from taas.host.ray import client as cluster_jobs
+
+            record = cluster_jobs.cancel(cluster, store, job_id)
+        else:
+            record = client.cancel(store, job_id)
         print(f"taas: job {job_id} {record.state.value}")
         return 0 if record.state.value == "cancelled" else 1
     if args.verb == "forget":
@@ -132,7 +149,7 @@ def _run(store: Store, args) -> int:
     return 0 if record.state.value in ("done", "kept") else 1
 
 
-def _ending(store: Store, record) -> str:
+def _ending(store, record) -> str:
     if record.state.value == "done":
         waiting = " (rank 0's results wait for a notebook: %taas attach " + record.id + ")" \
             if record.has_results and record.taken is None else ""

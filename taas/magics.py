@@ -118,10 +118,15 @@ class TaasMagics(Magics):
         from taas.host import client
         from taas.jobs.store import Store
 
-        if self.session.cluster_address(options) is not None:
-            raise UsageError("--detach runs on this machine only for now: run this cell without --cluster "
-                             "(or %taas cluster local), or attached on the cluster")
-        store = Store()
+        address = self.session.cluster_address(options)
+        if address is not None and options.keep:
+            raise UsageError("--keep --detach runs on this machine only for now: on a cluster, use --keep "
+                             "or --detach")
+        launcher = self.session.launcher_for(address) if address is not None else None
+        try:
+            store = Store() if launcher is None else self._cluster_store(launcher)
+        except (*_BEFORE_LAUNCH, client.JobError) as exc:
+            raise UsageError(str(exc)) from None
         notebook = os.environ.get("JPY_SESSION_NAME", "")
         whole = f"{line}\n{cell}"
         try:
@@ -130,18 +135,47 @@ class TaasMagics(Magics):
                 print(f"taas: this cell's job {copy.id} is still running (since "
                       f"{time.strftime('%H:%M', time.localtime(copy.started))}): attaching to it "
                       "(--fresh starts a new one)")
-                return self._attach(copy.id, store)
+                return self._attach(copy.id, store, launcher=launcher)
             request = client.request_for(source, self.shell.user_ns, line, filename=filename, text=cell,
                                          label=self._name_for(filename), first_line=2,
                                          hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for)
-            record = client.start(store, request, ranks=options.gpus or 0, where="this machine",
-                                  notebook=notebook, sink=sink or TerminalSink(), hosts=self.hosts,
-                                  hashed=whole)
+            if launcher is None:
+                record = client.start(store, request, ranks=options.gpus or 0, where="this machine",
+                                      notebook=notebook, sink=sink or TerminalSink(), hosts=self.hosts,
+                                      hashed=whole)
+            else:  # a detached actor on the cluster hosts it (taas.host.ray)
+                from taas.host.ray import client as cluster_jobs
+
+                record = cluster_jobs.start(launcher, store, request, ranks=options.gpus or 0, notebook=notebook,
+                                            sink=sink or TerminalSink(), hashed=whole, workdir=self.session.workdir,
+                                            workdir_limit=self.session.workdir_limit)
         except (*_BEFORE_LAUNCH, client.JobError) as exc:
             raise UsageError(str(exc)) from None
+        cluster = f"--cluster {launcher.address} " if launcher is not None else ""
+        follow = f"or taas {cluster}attach {record.id} in a terminal"
         print(f"taas: job {record.id} detached: {record.ranks} ranks; follow it with %taas attach {record.id}, "
-              f"or taas attach {record.id} in a terminal")
+              f"{follow}")
         return None
+
+    def _records(self):
+        """This user's job records where the session's cells run, and their launcher: this
+        machine's (None), or the session's cluster's (taas.host.ray: in its key-value store)."""
+        from taas.jobs.store import Store
+
+        address = self.session.cluster_address()
+        if address is None:
+            return Store(), None
+        launcher = self.session.launcher_for(address)
+        try:
+            return self._cluster_store(launcher), launcher
+        except _BEFORE_LAUNCH as exc:
+            raise UsageError(str(exc)) from None
+
+    @staticmethod
+    def _cluster_store(launcher):
+        from taas.host.ray import client as cluster_jobs
+
+        return cluster_jobs.store_for(launcher)
 
     def _still_adopted(self, sink) -> bool:
         """Whether the adopted kept ranks wait for this cell; if they ended meanwhile (their idle
@@ -193,14 +227,14 @@ class TaasMagics(Magics):
         returned = adopt.first_cell(store, job_id)
         return None if returned is None else self._land(client.load(returned), sink)
 
-    def _attach(self, job_id: str | None, store=None, latest: int | None = None):
+    def _attach(self, job_id: str | None, store=None, latest: int | None = None, launcher=None):
         """``%taas attach [ID]``: the job's output so far, then live; at its end rank 0's names
         and Out[] land here, or its failure is raised.  An interrupt detaches."""
         from taas.host import client
-        from taas.jobs.store import Store
         from taas.session import job_metrics
 
-        store = store or Store()
+        if store is None:
+            store, launcher = self._records()  # launcher: the cluster's whose store it is, or None
         try:
             job_id = store.resolve(job_id) if job_id else _default_job(store)
             if self.adopted is not None and self.adopted.job == job_id and self.adopted.gone() is None:
@@ -218,6 +252,10 @@ class TaasMagics(Magics):
             # A kept job's first cell ended well even if its ranks were cancelled or lost later.
             if record.state.value != "done" and not (record.keep and record.has_results and record.taken is None):
                 client.raise_failure(store, record)
+            if launcher is not None:
+                from taas.host.ray import client as cluster_jobs
+
+                return self._land(client.load(cluster_jobs.take(store, record)), sink)
             return self._land(client.load(client.take(store, record)), sink)
         except client.JobError as exc:
             raise UsageError(str(exc)) from None
@@ -226,17 +264,21 @@ class TaasMagics(Magics):
         """``%taas jobs | attach [ID] | cancel ID | forget ID | logs ID``."""
         from taas.host import client
         from taas.jobs import listing
-        from taas.jobs.store import Store
 
-        store = Store()
+        store, launcher = self._records()
         verb, args = words[0], words[1:]
         try:
             if verb == "jobs" and not args:
                 print("\n".join([listing.render(store.listing()), *self.session.gpu_lines()]))
             elif verb == "attach" and len(args) <= 1:
-                return self._attach(args[0] if args else None, store)
+                return self._attach(args[0] if args else None, store, launcher=launcher)
             elif verb == "cancel" and len(args) == 1:
-                record = client.cancel(store, store.resolve(args[0]))
+                if launcher is not None:
+                    from taas.host.ray import client as cluster_jobs
+
+                    record = cluster_jobs.cancel(launcher, store, store.resolve(args[0]))
+                else:
+                    record = client.cancel(store, store.resolve(args[0]))
                 print(f"taas: job {record.id} {record.state.value}")
             elif verb == "forget" and len(args) == 1:
                 job_id = store.resolve(args[0])

@@ -133,10 +133,19 @@ class Follower:
                  on_metrics: Callable | None = None):
         self.store = store
         self.job_id = job_id
-        self.folder = store.folder(job_id)
         self.sink = sink
-        self.reader = LogReader(self.folder)
-        self.metrics = LogReader(self.folder, part=records.METRICS)
+        # Where the job's output is read (its source): this machine's record folder, or what
+        # the store offers instead (a Ray cluster's key-value store: taas.host.ray.store) as
+        # ``log_reader(job_id, part)`` and ``read_view(job_id)``, readers with LogReader's calls.
+        if hasattr(store, "log_reader"):
+            self.reader = store.log_reader(job_id, records.OUT)
+            self.metrics = store.log_reader(job_id, records.METRICS)
+            self._view = lambda: store.read_view(job_id)
+        else:
+            folder = store.folder(job_id)
+            self.reader = LogReader(folder)
+            self.metrics = LogReader(folder, part=records.METRICS)
+            self._view = lambda: read_view(folder)
         self.on_metrics = on_metrics
         # The latest ``latest`` bytes of output only, then live: an attach shows where the job
         # is at once, whatever it printed before, and holds no more of the log than that.
@@ -161,7 +170,7 @@ class Follower:
             for item in self.metrics.read():
                 if item.get("op") == "m":
                     self.on_metrics(self.job_id, item["r"], [(step, values) for step, values in item["rows"]])
-        view = read_view(self.folder)
+        view = self._view()
         if view and view.get("at") != self._view_at:
             self._view_at = view.get("at")
             self._update(view)
@@ -289,7 +298,7 @@ def raise_failure(store: Store, record: JobRecord) -> None:
     """What an attached cell would have raised for a job that did not succeed."""
     if record.state is State.FAILED:
         try:
-            failure = Failure(**json.loads((store.folder(record.id) / FAILURE).read_bytes()))
+            failure = Failure(**json.loads(store.get(record.id, FAILURE) or b""))
         except (OSError, ValueError, TypeError):
             raise JobFailed(f"job {record.id} failed: {record.cause}") from None
         if failure.kind in ("JobFailed", "CellSyntaxError") or failure.rendered:

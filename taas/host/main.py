@@ -36,7 +36,7 @@ from taas.host.sink import RecordSink
 from taas.jobs import api as records
 from taas.jobs.api import State
 from taas.jobs.log import LogWriter
-from taas.jobs.store import Store, write_file
+from taas.jobs.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def main() -> int:
     sink = RecordSink(folder, out, LogWriter(folder, part=records.METRICS))
     namespace: dict = {}  # the notebook's values as the host has them (kept cells read them too)
     try:
-        record = _run(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)),
+        record = run_job(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)),
                       namespace)
         if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
             kept_record = record
@@ -152,9 +152,11 @@ def _tell(channel: socket.socket, message: Running) -> None:
         pass
 
 
-def _run(session, store: Store, record, request: Request, sink: RecordSink, running, namespace: dict):
+def run_job(session, store, record, request: Request, sink: RecordSink, running, namespace: dict):
     """The job, to its end, on ``session``; its final record (``running()``: once the ranks run).
-    A ``--keep`` job whose ranks stay afterwards reads KEPT (its cell's outcome in the folder)."""
+    A ``--keep`` job whose ranks stay afterwards reads KEPT (its cell's outcome in the folder).
+    ``store``: this machine's records (:class:`Store`) or a Ray cluster's (taas.host.ray): it
+    must offer ``read``, ``write`` and ``put(job_id, name, data)``."""
     from taas.data import registry
     from taas.job.metrics import HISTORY
     from taas.session import WARN, write_note
@@ -176,7 +178,7 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
     kept = State.KEPT
     try:
         returned = run_request(session, namespace, request, sink)
-        write_file(store.folder(record.id) / records.RESULTS, pickle.dumps(returned))
+        store.put(record.id, records.RESULTS, pickle.dumps(returned))
         return _now(store, record).replace(state=kept if session.kept else State.DONE, has_results=True,
                                            keep=session.kept is not None)
     except KeyboardInterrupt:
@@ -191,7 +193,7 @@ def _run(session, store: Store, record, request: Request, sink: RecordSink, runn
         HISTORY.observers.remove(sink.metrics)
 
 
-def _now(store: Store, record):
+def _now(store, record):
     """The record as the host last wrote it (its state changed since ``record`` was read)."""
     try:
         return store.read(record.id)
@@ -199,10 +201,10 @@ def _now(store: Store, record):
         return record
 
 
-def _failed(store: Store, record, failure: Failure) -> None:
+def _failed(store, record, failure: Failure) -> None:
     import json
 
-    write_file(store.folder(record.id) / FAILURE, json.dumps(dataclasses.asdict(failure)).encode())
+    store.put(record.id, FAILURE, json.dumps(dataclasses.asdict(failure)).encode())
 
 
 if __name__ == "__main__":

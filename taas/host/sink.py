@@ -25,8 +25,11 @@ VIEW_EVERY = 0.25
 class RecordSink:
     updates_in_place = True  # viewers update the panel and the plot in place (or print them as text)
 
-    def __init__(self, folder: pathlib.Path, log: LogWriter, metrics_log: LogWriter):
-        self.folder = pathlib.Path(folder)
+    def __init__(self, folder: pathlib.Path | None, log: LogWriter, metrics_log: LogWriter, save_view=None):
+        # ``save_view(view)``: where the view goes (default: view.json in ``folder``; a job host
+        # on a Ray cluster keeps it in the cluster's key-value store, taas.host.ray).
+        self.folder = pathlib.Path(folder) if folder is not None else None
+        self._save_view = save_view or (lambda view: write_view(self.folder, view))
         self.log = log
         self.metrics_log = metrics_log
         self._lock = threading.Lock()
@@ -89,7 +92,7 @@ class RecordSink:
             # How many log records this state follows: a viewer that has read a bar's final
             # record past that knows this view's state of the bar is older (taas.host.client).
             count = self.log.count
-        write_view(self.folder, dict(view, at=time.time(), n=count))
+        self._save_view(dict(view, at=time.time(), n=count))
 
     def close(self) -> None:
         self._stop.set()

@@ -88,6 +88,17 @@ class Store:
     def write(self, record: JobRecord) -> None:
         write_file(self.folder(record.id) / api.RECORD, json.dumps(record.to_json(), indent=1).encode())
 
+    def put(self, job_id: str, name: str, data: bytes) -> None:
+        """One of the record's files (results, failure), replaced whole."""
+        write_file(self.folder(job_id) / name, data)
+
+    def get(self, job_id: str, name: str) -> bytes | None:
+        """One of the record's files, or None when it is not there."""
+        try:
+            return (self.folder(job_id) / name).read_bytes()
+        except OSError:
+            return None
+
     def read(self, job_id: str) -> JobRecord:
         """The record of ``job_id`` as it is now: a running job whose host is gone reads LOST
         (and is written so).  Raises JobError with one line when there is no such record or it

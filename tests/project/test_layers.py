@@ -72,12 +72,14 @@ ROOMS: dict[str, set[str]] = {
     "taas.jobs": {"taas.errors", "taas.io"},
     "taas.host": {"taas.errors", "taas.cellrun", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
                   "taas.directive", "taas.workdir", "taas.supervisor"},
-    "taas.cli": {"taas.errors", "taas.host", "taas.jobs", "taas.leases"},
+    # A detached job on a Ray cluster: its host a detached actor, its records in the cluster's KV.
+    "taas.host.ray": {"taas.errors", "taas.host", "taas.jobs", "taas.session", "taas.launch.ray"},
+    "taas.cli": {"taas.errors", "taas.host", "taas.host.ray", "taas.jobs", "taas.leases"},
     # The notebook face.
     "taas.status": {"taas.session", "taas.data"},
     "taas.notebook": {"taas.errors", "taas.directive", "taas.job"},
     "taas.magics": {"taas.errors", "taas.directive", "taas.job", "taas.workdir", "taas.session",
-                    "taas.status", "taas.host", "taas.jobs", "taas.notebook"},
+                    "taas.status", "taas.host", "taas.host.ray", "taas.jobs", "taas.notebook"},
     "taas": {"taas.data", "taas.magics", "taas.notebook", "taas.session"},
 }
 

@@ -92,6 +92,13 @@ def kernel_gone() -> bool | None:
         return None
 
 
+def owned_by_host() -> bool:
+    """In an agent of a detached job's host (a Ray actor, taas.host.ray): never gone by the
+    kernel's Ray job, which ended with the kernel long before.  The agent is the host actor's:
+    Ray ends it, and the node's processes with it (node_watch), when that actor dies."""
+    return False
+
+
 def _taas_root() -> str:
     """The directory taas is imported from here: agents import it from there too."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -107,6 +114,9 @@ class RayCluster:
         self._agents: dict[str, object] = {}  # node id -> actor handle
         self._info: dict[str, dict] = {}  # node id -> the agent's describe()
         self._sees: dict[tuple[str, str], bool] = {}  # (node id, cwd) -> the node sees cwd
+        # What tells an agent that whoever owns it is gone: the kernel (its Ray job ended), or,
+        # for a detached job's host actor, nothing but Ray ending the owner (owned_by_host).
+        self.owner_gone = kernel_gone
 
     def connect(self):
         """The ``ray`` module, connected to the cluster (at most one ``ray.init``)."""
@@ -143,7 +153,7 @@ class RayCluster:
                 num_cpus=0, max_concurrency=8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
                 runtime_env={"env_vars": {"PYTHONPATH": path}},
-            ).remote(node.node_id, node.ip, kernel_gone)
+            ).remote(node.node_id, node.ip, self.owner_gone)
             self._agents[node.node_id] = agent
         return agent
 

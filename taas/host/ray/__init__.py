@@ -1,0 +1,28 @@
+"""Detached jobs on a Ray cluster: the job host is a detached, named Ray actor, the records live
+in the cluster's key-value store (the GCS), so the job needs nothing of the kernel that started
+it and a new kernel connected to the same cluster lists it, attaches to it and takes its results.
+
+    kernel (client.py)                               the cluster
+      start(): the record WAITING in the KV ──────>  JobHost (actor.py): lifetime="detached",
+        the JobHost actor, its Request ──────────>     named in taas's namespace, num_cpus=0;
+      follows the KV until RUNNING,                    a Session of its own on the Ray launcher:
+        says `job ID detached`                         the node agents, ranks, loader workers
+                                                       are created and owned by it
+      any kernel later: %taas jobs / attach   <────  output log, view, metrics, results, failure,
+        (store.py: RayStore, the same calls as         record: KV keys under jobs/USER.UID/ID/
+        this machine's Store; the local host's
+        Follower reads it through log_reader)
+      %taas cancel: the actor's cancel(secret) ──>   the cell interrupted: every process stopped
+
+Ownership: the node agents are actors the host creates, so Ray ends them, and their ranks and
+loader workers with them, when the host actor dies (ray.kill, its worker SIGKILLed, its node
+lost); a record still saying running whose actor is gone reads ``lost`` with why.
+
+The contract with the local variant (taas.host's client.py/main.py): a store with ``read``,
+``write``, ``put``, ``get``, ``listing``, ``resolve``, ``remove``, ``log_reader``, ``read_view``;
+``client.follow``, ``running_copy`` and ``raise_failure`` take either store; ``start``,
+``take`` and ``cancel`` have a variant here.
+
+May import: taas.host (its client's Follower, the host's run_job, the RecordSink, api),
+taas.jobs, taas.session, taas.launch.ray (the cluster connection), taas.errors.
+"""

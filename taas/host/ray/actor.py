@@ -1,0 +1,129 @@
+"""The job host on a Ray cluster: a detached, named actor that runs one detached cell to its end.
+
+It is what ``python -m taas.host`` is on one machine (taas.host.main), with the cluster in the
+kernel's place: a :class:`~taas.session.Session` of its own on the Ray launcher runs the cell
+(:func:`taas.host.main.run_job`), so the node agents -- and through them the ranks and loader
+workers -- are actors and processes this actor created and owns.  Its output, view, metrics,
+results and record go to the cluster's KV (:class:`~taas.host.ray.store.RayStore`).
+
+Ray ends what an actor owns when the actor dies, so the agents are told their owner is this
+actor, not the kernel's Ray job (which ends with the kernel: ``owned_by_host``).  ``cancel``
+proves the job's secret, then interrupts the cell as a kernel's interrupt would; past
+:data:`CANCEL_GRACE` the actor ends itself, and its agents with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hmac
+import logging
+import os
+import pickle
+import threading
+import time
+
+from taas.host.ray import keys
+
+log = logging.getLogger(__name__)
+
+CANCEL_GRACE = 3.0  # the cell's interrupt path stops every process within this, or the actor ends
+
+
+class JobHost:
+    def __init__(self, owner: str, job_id: str, address: str, workdir: str = "auto",
+                 workdir_limit: int | None = None):
+        from taas.host.ray.store import RayKV, RayStore
+
+        self.owner, self.job_id, self.address = owner, job_id, address
+        self.workdir, self.workdir_limit = workdir, workdir_limit
+        self.store = RayStore(RayKV(), where=address, owner=owner)
+        self._thread: threading.Thread | None = None
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def start(self, request: bytes) -> int:
+        """Run the job (``request``: a pickled taas.host.api.Request) in a thread; this actor's pid."""
+        with self._lock:
+            if self._thread is None and not self._cancelled:
+                self._thread = threading.Thread(target=self._job, args=(request,), name="taas-job",
+                                                daemon=True)
+                self._thread.start()
+        return os.getpid()
+
+    def _job(self, data: bytes) -> None:
+        import psutil
+
+        from taas.host.main import run_job
+        from taas.host.sink import RecordSink
+        from taas.jobs import api as records
+        from taas.jobs.api import State
+        from taas.launch.ray.cluster import owned_by_host
+        from taas.session import Session
+
+        store, job_id = self.store, self.job_id
+        record = store.read(job_id)
+        me = psutil.Process()
+        record = record.replace(host_pid=me.pid, host_started=me.create_time())
+        store.write(record)
+        session = Session()
+        session.cluster, session.workdir, session.workdir_limit = self.address, self.workdir, self.workdir_limit
+        session.job_name = job_id
+        session.launcher_for(self.address).cluster.owner_gone = owned_by_host
+        out = store.log_writer(job_id, records.OUT)
+        sink = RecordSink(None, out, store.log_writer(job_id, records.METRICS),
+                          save_view=lambda view: store.save_view(job_id, view))
+        try:
+            try:
+                request = pickle.loads(data)
+                if os.path.isdir(request.cwd):
+                    os.chdir(request.cwd)
+            except Exception as exc:  # broad: whatever it is, the record must say it
+                record = record.replace(state=State.FAILED, cause=f"its request could not be read: {exc}")
+            else:
+                record = run_job(session, store, record, request, sink, lambda: None, {})
+        except KeyboardInterrupt:  # the cancel landed outside the cell's own interrupt path
+            record = store.read(job_id).replace(state=State.CANCELLED, cause="cancelled")
+        except BaseException as exc:  # the record must say why, whatever it was
+            record = store.read(job_id).replace(state=State.FAILED, cause=f"{type(exc).__name__}: {exc}")
+        finally:
+            sink.close()
+            out.close()
+            store.write(record.replace(ended=time.time()))
+            self._ended.set()
+            session.close()
+        log.debug("job %s %s", job_id, record.state.value)
+        _end_self()
+
+    def cancel(self, token: str) -> str:
+        """Stop the job (``token``: its secret): the cell interrupted; what the record says then."""
+        secret = (self.store.get(self.job_id, keys.SECRET) or b"").decode()
+        if not secret or not hmac.compare_digest(secret, token):
+            return "refused: wrong secret"
+        from taas.jobs.api import State
+
+        with self._lock:
+            thread, self._cancelled = self._thread, True
+        if thread is None:  # the job never began: nothing runs
+            record = self.store.read(self.job_id)
+            self.store.write(record.replace(state=State.CANCELLED, ended=time.time(), cause="cancelled"))
+            threading.Thread(target=_end_self, daemon=True).start()
+            return "cancelled"
+        if thread.ident is not None and not self._ended.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                      ctypes.py_object(KeyboardInterrupt))
+            if not self._ended.wait(CANCEL_GRACE):
+                record = self.store.read(self.job_id)
+                self.store.write(record.replace(state=State.CANCELLED, ended=time.time(),
+                                                cause="cancelled: its host ended it, and its agents"))
+                threading.Thread(target=_end_self, daemon=True).start()
+        return "cancelled"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _end_self() -> None:
+    """End this actor (its agents, ranks and loader workers end with it: Ray's ownership)."""
+    time.sleep(0.1)  # the method that asked has answered
+    os._exit(0)

@@ -1,0 +1,120 @@
+"""--detach on the simulated cluster (issue 21): the job's host is a detached Ray actor and its
+record lives in the cluster's key-value store, so the job survives the notebook's driver.  A
+kernel detaches a job and is SIGKILLed; a new kernel connected to the same cluster lists it,
+attaches (the output so far, then live) and gets rank 0's names; a cancel leaves no rank; the
+host actor killed takes its ranks with it and the record reads lost.
+
+The module's kernel (connected_module_kernel) is the "new kernel"; the one killed is started
+here.  Ranks wait for a file the test writes (an event), never for time."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+
+import pytest
+
+from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
+from tests.support.cluster_helpers import connected_kernel, job_processes, named, placement_groups_left
+from tests.support.kernel_driver import cmdline, one_line_usage_error, plain, wait_for, wait_until_gone
+
+pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
+
+WAITING = """%%taas --gpus 2 --detach
+import os, time, torch, torch.distributed as dist
+print("before", dist.get_rank(), flush=True)
+while not os.path.exists({go!r}):
+    time.sleep(0.05)
+total = torch.tensor([dist.get_rank() + 1.0]); dist.all_reduce(total)
+print("after", dist.get_rank(), flush=True)
+answer = int(total.item()) * 10
+"""
+
+
+def _detached(run) -> str:
+    assert run.error is None, run.traceback
+    found = re.search(r"taas: job ([0-9a-f]{6}) detached: 2 ranks", run.stdout)
+    assert found, run.stdout
+    return found.group(1)
+
+
+def _hosts(ray_cluster) -> list:
+    """The JobHost actors' worker processes (Ray names the actor class in their argv)."""
+    return [p for p in ray_cluster.processes() if "JobHost" in " ".join(cmdline(p))]
+
+
+def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_lands_it(
+        kernel, ray_cluster, tmp_path):
+    go = str(tmp_path / "go")
+    (tmp_path / "first").mkdir()
+    first = connected_kernel(ray_cluster, tmp_path / "first")
+    try:
+        job = _detached(first.run(WAITING.format(go=go)))
+        wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
+        ranks = [p.pid for p in job_processes(ray_cluster)]
+        os.kill(first.descendants()[0].pid, signal.SIGKILL)  # the kernel (nsenter's child), its driver
+        wait_for(lambda: not first.km.is_alive(), timeout=30, what="the first kernel gone")
+        listed = kernel.run("%taas jobs")
+        assert listed.error is None, listed.traceback
+        assert re.search(rf"{job}\s+running\s+2\s+{re.escape(ray_cluster.address)}", listed.stdout), listed.stdout
+        assert sorted(p.pid for p in job_processes(ray_cluster)) == sorted(ranks)  # it goes on
+    finally:
+        first.shutdown()
+
+    def go_once_the_output_so_far_shows(out) -> None:  # then the ranks go on: the rest comes live
+        if "before 1" in plain(out.stdout) and not os.path.exists(go):
+            with open(go, "w"):
+                pass
+
+    attached = kernel.run(f"%taas attach {job}", on_output=go_once_the_output_so_far_shows)
+    assert attached.error is None, attached.traceback
+    text = plain(attached.stdout)
+    assert text.index("before") < text.index("after"), text
+    shown = kernel.run("print(answer)")
+    assert shown.stdout.strip() == "30", (shown.stdout, shown.traceback)
+    logs = plain(kernel.run(f"%taas logs {job}").stdout)
+    assert "before 0" in logs and "before 1" in logs and "after 0" in logs, logs
+    again = kernel.run(f"%taas attach {job}")
+    # The output again, then one line: the results landed once.
+    assert again.status == "error" and f"UsageError: taas: job {job}'s results were already taken" in again.stderr
+    assert wait_until_gone(ranks, timeout=30) == []
+    wait_for(lambda: not _hosts(ray_cluster), timeout=30, what="the job host ending with its job")
+    forgot = kernel.run(f"%taas forget {job}")
+    assert f"job {job} forgotten" in forgot.stdout, forgot.traceback
+
+
+def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel, ray_cluster, tmp_path):
+    refused = one_line_usage_error(kernel.run("%%taas --gpus 2 --keep --detach\nx = 1"))
+    assert "--keep --detach runs on this machine only" in refused
+    forever = WAITING.format(go=str(tmp_path / "never"))
+    job = _detached(kernel.run(forever))
+    wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
+    ranks = [p.pid for p in job_processes(ray_cluster)]
+    cancelled = kernel.run(f"%taas cancel {job}")
+    assert f"taas: job {job} cancelled" in cancelled.stdout, (cancelled.stdout, cancelled.traceback)
+    assert wait_until_gone(ranks, timeout=5) == [], [cmdline(p) for p in job_processes(ray_cluster)]
+    assert "nothing to cancel" in one_line_usage_error(kernel.run(f"%taas cancel {job}"))
+
+    first = job
+    job = _detached(kernel.run(forever.replace("--detach", "--detach --fresh")))
+    wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
+    ranks = [p.pid for p in job_processes(ray_cluster)]
+    hosts = _hosts(ray_cluster)
+    assert len(hosts) == 1, [cmdline(p) for p in hosts]
+    hosts[0].send_signal(signal.SIGKILL)
+    assert wait_until_gone(ranks, timeout=5) == [], [cmdline(p) for p in job_processes(ray_cluster)]
+    listed = kernel.run("%taas jobs")
+    assert re.search(rf"{job}\s+lost", listed.stdout), listed.stdout
+    assert "ended without a word" in listed.stdout, listed.stdout
+    wait_for(lambda: not named(ray_cluster, "taas-rank"), timeout=30, what="no rank anywhere")
+    assert placement_groups_left(ray_cluster) == "0"  # the dead host's GPUs are free again
+    # A terminal on the cluster's network sees the same records (one Ray connection: kept to one call).
+    terminal = ray_cluster.run([sys.executable, "-m", "taas.cli", "--cluster", ray_cluster.address, "jobs"],
+                               cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert terminal.returncode == 0, terminal.stderr
+    assert re.search(rf"{job}\s+lost", terminal.stdout) and re.search(rf"{first}\s+cancelled", terminal.stdout), \
+        terminal.stdout
+    for ended in (first, job):  # the records go: nothing of this module is left in the cluster's KV
+        assert f"job {ended} forgotten" in kernel.run(f"%taas forget {ended}").stdout
