@@ -265,7 +265,9 @@ def follow(store: Store, job_id: str, sink, *, latest: int | None = LATEST,
     """Show job ``job_id`` from its latest output, then live, until it ends (a kept job: until its
     cell ends and the ranks wait): its record then.  KeyboardInterrupt leaves the job running (the caller says so)."""
     follower = Follower(store, job_id, sink, latest=latest, on_metrics=on_metrics)
-    with Changes(store.folder(job_id), fallback=POLL) as changes:
+    # Records on disk wake the follower as they change; a cluster's (taas.host.ray) are looked at.
+    folder = store.folder(job_id) if isinstance(store, Store) else None
+    with Changes(folder, fallback=POLL) as changes:
         while True:
             follower.step()
             record = store.read(job_id)

@@ -38,11 +38,14 @@ def _inotify():
 class Changes:
     """The changes of the record folder ``folder`` and its logs, as a wait."""
 
-    def __init__(self, folder: pathlib.Path, fallback: float = 0.02):
-        self.folder = pathlib.Path(folder)
+    def __init__(self, folder: pathlib.Path | None, fallback: float = 0.02):
+        """``folder`` None: records that are not files here (a cluster's): looks every ``fallback`` s."""
+        self.folder = pathlib.Path(folder) if folder is not None else None
         self.fallback = fallback  # without inotify: how often to look
         self._fd = -1
         self._watched: set[str] = set()
+        if self.folder is None:
+            return
         try:
             self._fd = _inotify().inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         except (OSError, AttributeError):
@@ -51,6 +54,7 @@ class Changes:
             self._watch_all()
 
     def _watch_all(self) -> None:
+        assert self.folder is not None
         for path in (self.folder, self.folder / api.OUT, self.folder / api.METRICS):
             if str(path) in self._watched or not path.is_dir():
                 continue

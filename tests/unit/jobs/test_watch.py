@@ -56,3 +56,13 @@ def test_without_inotify_it_looks_at_its_fallback_period(tmp_path, monkeypatch):
     changes.close()  # as if inotify_init1 had failed
     assert changes.wait(60) is False
     assert slept == [0.01]
+
+
+def test_records_that_are_not_files_here_are_looked_at_each_fallback_period(monkeypatch):
+    from taas.jobs import watch
+
+    slept = []
+    monkeypatch.setattr(watch.time, "sleep", slept.append)
+    with Changes(None, fallback=0.02) as changes:
+        assert changes.wait(0.5) is False
+    assert slept == [0.02]
