@@ -42,6 +42,14 @@ def _unreachable(exc: OSError) -> str:
     return f"{exc.filename} cannot be reached ({exc.strerror})"
 
 
+def _remove(folder: str, names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+
+
 _SPAWN_TIMEOUT = 30.0  # seconds of silence from the start process before a start is given up
 
 
@@ -246,18 +254,19 @@ class LocalJob(JobHandle):
             # nothing was sent, so the cell can still run on fresh ranks.
             raise KeptRanksGone(_unreachable(exc)) from None
         try:
-            for name in os.listdir(self.job_dir):  # the last cell's reports must not name this one
-                if name.endswith((".error.json", ".pkl", ".pkl.tmp")):
-                    try:
-                        os.unlink(os.path.join(self.job_dir, name))
-                    except FileNotFoundError:
-                        pass
+            stale = [name for name in os.listdir(self.job_dir)
+                     if name.endswith((".error.json", ".pkl", ".pkl.tmp")) and name not in files and name != result]
+            _remove(self.job_dir, [n for n in stale if n.endswith(".error.json")])  # must not name this cell
             jobdir.write_files(self.job_dir, files)
-            cells.write_all(fds, cells.NextCell(payload, result))
-        except OSError as exc:  # a rank went between the opening and the writing
-            raise KeptRanksGone(_unreachable(exc)) from None
+            try:
+                cells.write_all(fds, cells.NextCell(payload, result))
+            except OSError as exc:  # a rank went between the opening and the writing
+                raise KeptRanksGone(_unreachable(exc)) from None
         finally:
             cells.close_all(fds)
+        # The last cell's payload and results go while the ranks run this one (the ranks are
+        # done with them, and no name of this cell is among them).
+        _remove(self.job_dir, [n for n in stale if not n.endswith(".error.json")])
 
     def interrupt(self, keys: Iterable[str]) -> list[str]:
         sent = []
