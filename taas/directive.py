@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import math
 import re
 import shlex
@@ -234,8 +235,12 @@ HELP: str = _PARSER.format_help()
 _FLAGS = sorted(o for a in _PARSER._actions for o in a.option_strings)
 
 
+@functools.lru_cache(maxsize=64)
 def parse_options(argline: str) -> JobOptions:
-    """Parse the text after ``%%taas`` (or ``#pragma taas``) into :class:`JobOptions`."""
+    """Parse the text after ``%%taas`` (or ``#pragma taas``) into :class:`JobOptions`.
+    Remembered per line (JobOptions is frozen; a refused line is parsed again each time): a
+    notebook runs the same few lines over and over, and argparse took a few tenths of a
+    millisecond of every kept cell."""
     try:
         argv = shlex.split(argline, comments=True)
     except ValueError as exc:

@@ -11,6 +11,7 @@ Session.  May import IPython (one of the two modules of the face that may), ``ta
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from IPython.core.error import StdinNotImplementedError, UsageError
@@ -63,10 +64,14 @@ class _CellBody(TransformerManager):
         self.token_transformers = [_keeping_lines(t) for t in self.token_transformers]
 
 
+@functools.lru_cache(maxsize=64)
 def translate(cell: str, first_line: int = 2) -> str:
     """A taas cell's body as its ranks run it: ``%run``, ``!cmd``, ``x = !cmd`` ... as IPython
     turns them into calls, line for line, routed to the rank's shell (taas.job.syntax); the body
-    itself when it has no IPython syntax.  A magic with no meaning in a rank is a UsageError."""
+    itself when it has no IPython syntax.  A magic with no meaning in a rank is a UsageError.
+    Remembered per cell text (a function of it alone; a refused cell is translated again each
+    time): IPython's transformers took a few tenths of a millisecond of every kept cell, and
+    tens of milliseconds of a long one."""
     source = _CellBody().transform_cell(cell)
     if source.rstrip("\n") == cell.rstrip("\n"):
         source = cell  # (``get_ipython().system(...)`` written out is routed too, as IPython runs it)

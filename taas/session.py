@@ -23,6 +23,7 @@ and scripts call it directly with a plain dict as the namespace.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -214,7 +215,8 @@ class Session:
             # may end that cluster's connection under them.
             self.keeper.reuse(None, None, options.fresh, None, sink)
         launcher = self.launcher_for(address)
-        kept = self._kept_for(launcher, options, sink)
+        cuda_devices = functools.cache(launcher.cuda_devices)  # once a cell: each loads NVML anew
+        kept = self._kept_for(launcher, options, sink, cuda_devices)
         keep = kept is not None or options.keep is not None
         if keep and not launcher.keeps_ranks:
             raise DirectiveError(
@@ -224,7 +226,7 @@ class Session:
             options = dataclasses.replace(options, gpus=kept.world.size)
         job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
                                     options, sink, hidden, name_for, kept=kept, keep=keep, text=text,
-                                    post_mortem=post_mortem)
+                                    post_mortem=post_mortem, cuda_devices=cuda_devices())
         self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
                              loaders=sorted(i.name for i in plane.loaders) if plane else [],
                              config=options.config, cluster=address)
@@ -246,14 +248,16 @@ class Session:
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
              options: directive.JobOptions, sink: Sink, hidden: frozenset,
              name_for, kept: Kept | None = None, keep: bool = False,
-             text: str | None = None, post_mortem: bool = False) -> tuple[Job, DataPlane | None, BigValues]:
+             text: str | None = None, post_mortem: bool = False,
+             cuda_devices: int | None = None) -> tuple[Job, DataPlane | None, BigValues]:
         """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
         arrays went out through (the caller closes them).  Everything that can fail before
         launch fails here: a syntax error, a value that cannot be shipped, more processes than
-        the launcher has room for."""
+        the launcher has room for.  ``cuda_devices``: the launcher's count, if asked already."""
         # Long on purpose: every check that can refuse the cell runs here, in order, before
         # anything is written or started.
-        cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
+        if cuda_devices is None:
+            cuda_devices = launcher.cuda_devices()  # the GPUs the ranks can use, where they run
         local_cuda = cuda_devices if launcher is self.launcher else cuda_device_count()
         world, device, backend, note = directive.resolve_world(options, cuda_devices, launcher.where)
         cell, values = cellrun.read_cell(source, namespace, filename, first_line, hidden, name_for)
@@ -348,11 +352,11 @@ class Session:
             self.on_state(state)
 
     # -- kept ranks (--keep) ---------------------------------------------------------------
-    def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink) -> Kept | None:
+    def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink, cuda_devices) -> Kept | None:
         """The kept ranks this cell runs on, or None (see :meth:`Keeper.reuse`)."""
         def world(kept: Kept) -> tuple:  # what this cell asks for; no --gpus: the kept size
             wanted = options if options.gpus is not None else dataclasses.replace(options, gpus=kept.world.size)
-            return directive.resolve_world(wanted, launcher.cuda_devices(), launcher.where)[:3]
+            return directive.resolve_world(wanted, cuda_devices(), launcher.where)[:3]
 
         return self.keeper.reuse(launcher, world, options.fresh, options.keep, sink)
 

@@ -69,8 +69,13 @@ def count() -> int | None:
 
 
 def report() -> None:
-    """Send this rank's counts on the events pipe (never raises: it only informs a note).
-    Training counts that are zero are left out (the kernel reads a missing one as 0)."""
+    """Send this rank's counts on the events pipe (never raises: it only informs a note)."""
+    events.send("comm", **counts())
+
+
+def counts() -> dict:
+    """This rank's counts now, the fields of its ``comm`` event (never raises).  Training
+    counts that are zero are left out (the kernel reads a missing one as 0)."""
     try:
         ops = count()
     except Exception:  # torch internals vary by version; the note is informative only
@@ -78,7 +83,7 @@ def report() -> None:
     training = trained()
     extra: dict = ({"backward": None, "steps": None} if training is None
                    else {k: v for k, v in training.items() if v})
-    events.send("comm", ops=ops, **extra)
+    return {"ops": ops, **extra}
 
 
 def _sequence(group) -> int | None:

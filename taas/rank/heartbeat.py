@@ -2,7 +2,7 @@
 
 The kernel's live rank panel (:mod:`taas.io.panel`) is drawn from these beats, so it works
 wherever the events pipe reaches the kernel (one machine or a cluster's nodes).  A daemon
-thread (:func:`start`) samples, once a second:
+thread samples, once a second from :func:`start` to :func:`stop`:
 
     state     starting (before the cell), running, or waiting (in a torch.distributed call, or
               for a registered loader's next unit), debugger / input (at a prompt: the user's turn)
@@ -17,13 +17,18 @@ thread (:func:`start`) samples, once a second:
 
 Everything here is cheap (a frame walk and two psutil reads: well under a millisecond) and
 nothing here stops or slows the main thread; a sample that fails is skipped, never fatal.
+The thread is started once per process and serves every cell of a kept rank: a cell's start
+only hands it the cell (starting a thread per cell made the main thread wait for the new
+thread to run, about a millisecond per kept cell on a busy machine).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
+import time
 
 from taas.launch.process import events
 from taas.launch.process.report import _internal
@@ -34,23 +39,60 @@ INTERVAL = 1.0  # seconds between beats
 _C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
 _VIEW = os.path.join("taas", "data", "view.py")
 _running = threading.Event()  # the cell has started
-# The beating thread's stop; each start has its own, so that a kept rank's next cell (a new
-# start right after a stop) never revives the thread of the cell before.
-_stop = threading.Event()
 _sending = threading.Lock()  # a beat is sent whole before stop() returns, never after
+
+
+class _Cell:
+    """One cell to beat for: the main thread, the cell's file, the device, when the next beat
+    is due, and whether the cell is over (set under ``_sending``; the beating thread is not
+    woken for it: it finds out when its next beat is due)."""
+
+    __slots__ = ("main", "filename", "device", "due", "stopped")
+
+    def __init__(self, main: int, filename: str, device: str, due: float):
+        self.main, self.filename, self.device, self.due = main, filename, device, due
+        self.stopped = False
+
+
+_cell: _Cell | None = None  # the cell being beaten for (each start has its own: see start)
+# The beating thread of this process (None: not started, or started before a fork), and the
+# cells it is handed, in turn.
+_thread: threading.Thread | None = None
+_cells: queue.SimpleQueue = queue.SimpleQueue()
 
 
 def start(filename: str, device: str) -> None:
     """Beat from now on (call it from the rank's main thread); ``filename`` is the cell's.
     A kept rank calls it again for each cell, after :func:`stop` at the end of the last one:
-    between cells it sends nothing (nobody reads its events then)."""
-    global _stop
-    _stop.set()  # a thread still beating for an earlier cell ends
-    _stop = threading.Event()
+    between cells it sends nothing (nobody reads its events then).  Each cell has its own
+    :class:`_Cell`, so a kept rank's next cell never revives the beats of the one before."""
+    global _cell
+    cell = _Cell(threading.get_ident(), filename, device, time.monotonic() + INTERVAL)
+    with _sending:
+        if _cell is not None:
+            _cell.stopped = True  # an earlier cell's beats end (a start without a stop)
+        _cell = cell
     _running.clear()
-    main = threading.get_ident()
-    threading.Thread(target=_beat, args=(main, filename, device, _stop), name="taas-heartbeat",
-                     daemon=True).start()
+    _beater().put(cell)
+
+
+def _beater() -> queue.SimpleQueue:
+    """The queue of this process's beating thread, started on first use (a forked process
+    has none of its parent's threads: it starts its own, with a queue of its own)."""
+    global _thread, _cells
+    if _thread is None or not _thread.is_alive():
+        _cells = queue.SimpleQueue()
+        _thread = threading.Thread(target=_serve, args=(_cells,), name="taas-heartbeat", daemon=True)
+        _thread.start()
+    return _cells
+
+
+def _serve(cells: queue.SimpleQueue) -> None:
+    """The beating thread: each cell handed over in turn, beaten until it is over; between
+    cells it waits for the next one (it wakes for nothing else)."""
+    cell = cells.get()
+    while True:
+        cell = _beat(cell, cells)
 
 
 _prompt: list[str] = []  # "debugger" or "input" while the main thread waits for the user
@@ -77,9 +119,13 @@ def running() -> None:
 
 def stop() -> None:
     """No beats after this returns (the rank is done: the kernel's panel says so from its own
-    events; a kept rank's cell is over, and a beat then would wait in the pipe for the next)."""
+    events; a kept rank's cell is over, and a beat then would wait in the pipe for the next).
+    The beating thread is not woken: waking it cost the cell's end about a millisecond on a
+    busy machine (the main thread preempted by it), and it sees the mark when its next beat
+    is due."""
     with _sending:
-        _stop.set()
+        if _cell is not None:
+            _cell.stopped = True
 
 
 def gpu_memory(gpu: int | None) -> int | None:
@@ -92,22 +138,32 @@ def gpu_memory(gpu: int | None) -> int | None:
     return int(torch.cuda.memory_allocated(gpu))
 
 
-def _beat(main: int, filename: str, device: str, stop: threading.Event) -> None:
-    # The first beat comes a second in: the panel shows from two seconds into a job, and a
-    # cell that ends sooner never pays for psutil's import and a first sample.
-    if stop.wait(INTERVAL):
-        return
-    sampler = Sampler(main, filename, device)
-    while not stop.is_set():
+def _beat(cell: _Cell, cells: queue.SimpleQueue) -> _Cell:
+    """Beat for ``cell`` until it is over; the next cell.  The first beat is due a second in:
+    the panel shows from two seconds into a job, and a cell that ends sooner never pays for
+    psutil's import and a first sample.  A new cell handed over meanwhile (its start marked
+    this one over) is taken at once."""
+    sampler = None
+    while True:
+        pause = cell.due - time.monotonic()
+        if pause > 0:
+            try:
+                return cells.get(timeout=pause)
+            except queue.Empty:  # the beat is due
+                pass
+        if cell.stopped:
+            return cells.get()
         try:
+            if sampler is None:
+                sampler = Sampler(cell.main, cell.filename, cell.device)
             fields = sampler.sample()
         except Exception:  # psutil or torch failed once: no beat this second, try again
             fields = None
         if fields is not None:
             with _sending:
-                if not stop.is_set():
+                if not cell.stopped:
                     events.send("beat", **fields)
-        stop.wait(INTERVAL)
+        cell.due = time.monotonic() + INTERVAL
 
 
 class Sampler:

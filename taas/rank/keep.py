@@ -43,13 +43,15 @@ def kept() -> bool:
 def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
         run_cell: Callable[[Payload, dict], object], result: str | None) -> None:
     """Run one cell on this kept rank and say ``done`` however it ended (but sys.exit, which
-    ends the rank).  ``result``: where rank 0 writes its results (None: the job's RESULT)."""
+    ends the rank).  ``result``: where rank 0 writes its results (None: the job's RESULT).
+    The cell's ``comm`` counts go with ``done``, in one write (one wake of the kernel)."""
+    counted = None
     try:
         _open_views(payload, namespace)  # waits for the first slice, as a one-cell rank does
         heartbeat.running()
         before = results.Before(namespace) if rank == 0 and payload.results else None
         out = run_cell(payload, namespace)
-        comm.report()
+        counted = comm.counts()
         if before is not None:
             # The kernel reads big storages out of this process, on the channel the kept ranks
             # got with their first cell (it lives as long as they do: taas.supervisor.kept).
@@ -78,7 +80,8 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
     sys.stderr.flush()
     # What the rank's tensors hold on its GPU as it waits (%taas shows it between cells).
     gpu = int(os.environ.get("LOCAL_RANK", "0")) if payload.device == "cuda" else None
-    events.send("done", failed=failed, gpu_mem=heartbeat.gpu_memory(gpu))
+    done = ("done", {"failed": failed, "gpu_mem": heartbeat.gpu_memory(gpu)})
+    events.send_many(*([("comm", counted)] if counted is not None else []), done)
 
 
 def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict,

@@ -266,6 +266,11 @@ def test_many_kept_cells_leave_fds_threads_and_memory_flat(kernel, clean):
         for i in range(5, 35):
             kept_cell(i)
         after = figures()
+        # The job directory holds the payload and results of the last cell and this one at
+        # most, not one of each per cell (the kernel removes a cell's once the next is sent).
+        ok(kernel.run("%%taas\nimport os\n"
+                      "pickles = [n for n in os.listdir(os.environ['TAAS_JOB_DIR']) if n.endswith('.pkl')]"))
+        assert len(ok(kernel.run("pickles")).result.split(",")) <= 3
     finally:
         ok(kernel.run("%taas release"))
     assert len(after) == len(before) == 3

@@ -37,6 +37,19 @@ log = logging.getLogger(__name__)
 def _how(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
+
+def _unreachable(exc: OSError) -> str:
+    return f"{exc.filename} cannot be reached ({exc.strerror})"
+
+
+def _remove(folder: str, names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+
+
 _SPAWN_TIMEOUT = 30.0  # seconds of silence from the start process before a start is given up
 
 
@@ -205,16 +218,23 @@ class LocalJob(JobHandle):
 
     # -- kept ranks (taas.launch.api: next_cell, interrupt) ----------------------------------
     def lost(self) -> str | None:
+        why = self._ended()
+        if why is not None:
+            return why
+        # A rank gone a moment ago is unreachable before the start process reports its exit.
+        why = cells.unreachable(self.job_dir, self._kept_ranks())
+        if why is not None:
+            return _unreachable(why)
+        return None
+
+    def _ended(self) -> str | None:
+        """Why the kept ranks are gone as far as the start process told us, or None."""
         self._poll(0)  # exits since the last cell (their output stays queued for events())
         gone = [e for e in self._pending if isinstance(e, ProcessExit)]
         if gone:
             return f"{gone[0].key} ended ({_how(gone[0].returncode)})"
         if self._starter_lost or self._stopped or not self.job_dir:
             return "the job's processes were stopped"
-        # A rank gone a moment ago is unreachable before the start process reports its exit.
-        why = cells.unreachable(self.job_dir, self._kept_ranks())
-        if why is not None:
-            return f"{why.filename} cannot be reached ({why.strerror})"
         return None
 
     def _kept_ranks(self) -> list[str]:
@@ -222,22 +242,31 @@ class LocalJob(JobHandle):
         return [k for k in self._pids if os.path.exists(cells.fifo_path(self.job_dir, k))]
 
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
-        lost = self.lost()
+        # lost()'s checks, with the ranks' FIFOs opened once: the reachability check is the
+        # opening of the FIFOs the cell then goes through (a FIFO with no reader fails to open).
+        lost = self._ended()
         if lost is not None:
             raise KeptRanksGone(lost)
-        for name in os.listdir(self.job_dir):  # the last cell's reports must not name this one
-            if name.endswith((".error.json", ".pkl", ".pkl.tmp")):
-                try:
-                    os.unlink(os.path.join(self.job_dir, name))
-                except FileNotFoundError:
-                    pass
-        jobdir.write_files(self.job_dir, files)
         try:
-            cells.send_all(self.job_dir, self._kept_ranks(), cells.NextCell(payload, result))
+            fds = cells.open_all(self.job_dir, self._kept_ranks())
         except OSError as exc:
             # Gone before its exit reached us (the start process reports it a moment later):
             # nothing was sent, so the cell can still run on fresh ranks.
-            raise KeptRanksGone(f"{exc.filename} cannot be reached ({exc.strerror})") from None
+            raise KeptRanksGone(_unreachable(exc)) from None
+        try:
+            stale = [name for name in os.listdir(self.job_dir)
+                     if name.endswith((".error.json", ".pkl", ".pkl.tmp")) and name not in files and name != result]
+            _remove(self.job_dir, [n for n in stale if n.endswith(".error.json")])  # must not name this cell
+            jobdir.write_files(self.job_dir, files)
+            try:
+                cells.write_all(fds, cells.NextCell(payload, result))
+            except OSError as exc:  # a rank went between the opening and the writing
+                raise KeptRanksGone(_unreachable(exc)) from None
+        finally:
+            cells.close_all(fds)
+        # The last cell's payload and results go while the ranks run this one (the ranks are
+        # done with them, and no name of this cell is among them).
+        _remove(self.job_dir, [n for n in stale if not n.endswith(".error.json")])
 
     def interrupt(self, keys: Iterable[str]) -> list[str]:
         sent = []

@@ -100,15 +100,35 @@ def send_all(job_dir: str, keys, message: Message) -> None:
     """Write ``message`` to every rank's FIFO in ``keys``, or to none: each FIFO is opened
     first, and one with no reader (its rank is gone, though its exit may not be reported yet)
     raises OSError before anything is written, its ``filename`` the rank's key."""
+    fds = open_all(job_dir, keys)
+    try:
+        write_all(fds, message)
+    finally:
+        close_all(fds)
+
+
+def open_all(job_dir: str, keys) -> list[int]:
+    """Every rank's FIFO in ``keys``, opened to write (nothing written yet), or OSError for the
+    first with no reader (its ``filename`` the rank's key; none left open): the caller may do
+    more before it sends (:func:`write_all`), then closes them (:func:`close_all`)."""
     fds: list[int] = []
     try:
         _open_all(job_dir, keys, fds)
-        data = encode(message)
-        for fd in fds:
-            os.write(fd, data)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    except BaseException:
+        close_all(fds)
+        raise
+    return fds
+
+
+def write_all(fds: list[int], message: Message) -> None:
+    data = encode(message)
+    for fd in fds:
+        os.write(fd, data)
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def unreachable(job_dir: str, keys) -> OSError | None:

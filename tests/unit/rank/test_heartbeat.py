@@ -153,19 +153,34 @@ def test_a_kept_rank_beats_per_cell_and_nothing_between_cells(events_pipe, monke
     heartbeat.running()
     _wait_for_beats(events_pipe, lambda beats: beats)
     first = _beaters()
+    assert len(first) == 1
     heartbeat.stop()  # the kept cell is over
-    for thread in first:
-        thread.join(5)
-    assert _beaters() == []
     _beats(events_pipe)  # what was sent before stop returned
-    assert _beats(events_pipe) == []  # nothing after (the ended thread sent nothing more)
+    time.sleep(0.15)  # three intervals between cells
+    assert _beats(events_pipe) == []  # nothing after stop
     heartbeat.start("<taas cell 8>", "cpu")  # the next kept cell
-    heartbeat.start("<taas cell 9>", "cpu")  # a start without a stop ends the earlier beater too
+    heartbeat.start("<taas cell 9>", "cpu")  # a start without a stop ends the earlier cell's beats too
     heartbeat.running()
     beats = _wait_for_beats(events_pipe, lambda beats: beats and beats[-1]["state"] == "running")
     assert all(b["kind"] == "beat" for b in beats)
-    wait_until = time.monotonic() + 5
-    while len(_beaters()) > 1 and time.monotonic() < wait_until:  # the earlier one ends within an interval
-        time.sleep(0.01)
-    assert len(_beaters()) == 1
+    assert _beaters() == first  # one thread serves every cell: no thread started per cell
     heartbeat.stop()
+
+
+def test_a_forked_process_beats_with_a_thread_of_its_own(events_pipe, monkeypatch):
+    monkeypatch.setattr(heartbeat, "INTERVAL", 0.05)
+    heartbeat.start(CELL, "cpu")  # the parent's thread runs
+    heartbeat.stop()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread is not here; a start must still beat
+        beat = False
+        try:
+            heartbeat.start(CELL, "cpu")
+            deadline = time.monotonic() + 30
+            while not beat and time.monotonic() < deadline:
+                beat = bool(_beats(events_pipe))
+                time.sleep(0.01)
+        finally:
+            os._exit(0 if beat else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -45,6 +45,20 @@ def test_a_message_is_one_json_line_on_the_fd(pipe, monkeypatch):
     ]
 
 
+def test_several_messages_go_in_order_in_one_write(pipe, monkeypatch):
+    read_end, write_end = pipe
+    monkeypatch.setenv("TAAS_EVENTS_FD", str(write_end))
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(events.os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
+    events.send_many(("comm", {"ops": 2}), ("done", {"failed": False, "gpu_mem": None}))
+    events.send_many()  # nothing to send: nothing written
+    assert len(writes) == 1  # one wake of the reader (the kernel) for both
+    lines = os.read(read_end, 1 << 16).decode().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"kind": "comm", "ops": 2}, {"kind": "done", "failed": False, "gpu_mem": None}]
+
+
 def test_a_line_bigger_than_the_pipe_arrives_whole():
     """A 4 MiB line is far more than a pipe holds (64 KiB): written in parts as the reader
     drains it, never cut short."""
