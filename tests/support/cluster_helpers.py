@@ -7,6 +7,7 @@ this module knows taas (its process names, its session's agents), that one does 
 
 from __future__ import annotations
 
+import queue
 import sys
 
 import pytest
@@ -156,11 +157,37 @@ print("FED", json.dumps([os.environ["TAAS_NODE_ID"], sorted(nodes), got, sorted(
 """
 
 
+def _iopub_of(k, msg_id: str) -> list[dict]:
+    """What the cell ``msg_id`` published so far (streams, errors)."""
+    out = []
+    while True:
+        try:
+            msg = k.kc.get_iopub_msg(timeout=0.2)
+        except queue.Empty:
+            return out
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] in ("stream", "error"):
+            out.append(msg)
+
+
 def sleeping_job(ray_cluster, k, others: set) -> tuple[int, list[int], list[int]]:
     """Start a 4-rank job that sleeps in kernel ``k`` (connected); once its ranks run:
     (the kernel's pid, the ranks' pids, the pids of the agents ``k`` started: not in ``others``)."""
-    k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
-    wait_for(lambda: len(job_processes(ray_cluster)) >= 4, timeout=300, what="the ranks starting")
+    msg_id = k.execute("%%taas --gpus 4\nimport time\nprint('up', flush=True)\ntime.sleep(600)")
+
+    def started() -> bool:
+        if len(job_processes(ray_cluster)) >= 4:
+            return True
+        # A cell that already ended will never start its ranks: say what it showed, now.
+        try:
+            reply = k.kc.get_shell_msg(timeout=0)
+        except queue.Empty:
+            return False
+        if reply["parent_header"].get("msg_id") == msg_id:
+            shown = [m["content"] for m in _iopub_of(k, msg_id)]
+            raise AssertionError(f"the cell ended before its ranks ran: {reply['content']} {shown}")
+        return False
+
+    wait_for(started, timeout=300, what="the ranks starting")
     kernel_pid = k.descendants()[0].pid  # nsenter's child: the kernel itself
     ranks = [p.pid for p in job_processes(ray_cluster)]
     mine = [pid for pid in agents(ray_cluster) if pid not in others]
