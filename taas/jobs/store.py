@@ -36,6 +36,21 @@ def new_id() -> str:
     return uuid.uuid4().hex[:6]
 
 
+def resolve_id(prefix: str, ids, *, where: str = "here", lister: str = "`taas jobs`") -> str:
+    """The id a user typed among ``ids``: a whole id or an unambiguous prefix of one; else one
+    line saying what is wrong (``where``: where the jobs are; ``lister``: what lists them)."""
+    prefix = prefix.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{1,32}", prefix):
+        raise JobError(f"taas: {prefix!r} is not a job id (ids look like 7f3a2c); {lister} lists yours")
+    matches = [name for name in ids if name.startswith(prefix)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise JobError(f"taas: no job {prefix!r} {where}; {lister} lists yours")
+    raise JobError(f"taas: {prefix!r} names {len(matches)} jobs ({', '.join(sorted(matches))}); "
+                   "type more of the id")
+
+
 class Store:
     """This user's job records under ``root`` (default: :func:`api.default_root`)."""
 
@@ -123,16 +138,7 @@ class Store:
 
     def resolve(self, prefix: str) -> str:
         """The id a user typed: a whole id or an unambiguous prefix of one."""
-        prefix = prefix.strip().lower()
-        if not re.fullmatch(r"[0-9a-f]{1,32}", prefix):
-            raise JobError(f"taas: {prefix!r} is not a job id (ids look like 7f3a2c); `taas jobs` lists yours")
-        matches = [name for name in self.ids() if name.startswith(prefix)]
-        if len(matches) == 1:
-            return matches[0]
-        if not matches:
-            raise JobError(f"taas: no job {prefix!r} here; `taas jobs` lists yours")
-        raise JobError(f"taas: {prefix!r} names {len(matches)} jobs ({', '.join(sorted(matches))}); "
-                       "type more of the id")
+        return resolve_id(prefix, self.ids())
 
     def ids(self) -> list[str]:
         root = self._checked_root(create=False)

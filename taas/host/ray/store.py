@@ -24,7 +24,7 @@ from taas.host.ray import keys
 from taas.jobs import api
 from taas.jobs.api import JobRecord, Listed, State
 from taas.jobs.log import LogReader
-from taas.jobs.store import JobError
+from taas.jobs.store import JobError, resolve_id
 
 CHUNK = 256 << 10
 FLUSH_EVERY = 0.2
@@ -129,16 +129,7 @@ class RayStore:
         return sorted(job for job, parts in self._parts().items() if keys.RECORD in parts)
 
     def resolve(self, prefix: str) -> str:
-        prefix = prefix.strip().lower()
-        if not re.fullmatch(r"[0-9a-f]{1,32}", prefix):
-            raise JobError(f"taas: {prefix!r} is not a job id (ids look like 7f3a2c); `%taas jobs` lists yours")
-        matches = [name for name in self.ids() if name.startswith(prefix)]
-        if len(matches) == 1:
-            return matches[0]
-        if not matches:
-            raise JobError(f"taas: no job {prefix!r} on {self.where}; `%taas jobs` lists yours")
-        raise JobError(f"taas: {prefix!r} names {len(matches)} jobs ({', '.join(sorted(matches))}); "
-                       "type more of the id")
+        return resolve_id(prefix, self.ids(), where=f"on {self.where}", lister="`%taas jobs`")
 
     def listing(self, prune: bool = True) -> list[Listed]:
         """Every record, newest first, each with the bytes it holds in the KV; finished ones
