@@ -19,6 +19,7 @@ so nothing is printed unless the user adds a handler and lowers its level.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 __version__ = "0.1.0"
@@ -103,6 +104,10 @@ def load_ipython_extension(ipython) -> None:
     registry.set_namespace_source(_notebook_namespace)
     choose_display_formatter()
     session = Session()
+    if os.environ.get("TAAS_ATTACHED_IN_HOST", "0") == "1":
+        from taas.host.remote import KernelHost
+
+        session.job_host = KernelHost()  # attached jobs run in the kernel's job host child
     session.warm()  # torch imports in the background while the user writes the next cell
     magics = TaasMagics(ipython, session)
     magics.warm()  # a job host for the first --detach, warm too (TAAS_WARM_HOST=0: none ahead)

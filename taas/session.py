@@ -99,9 +99,13 @@ class Session:
         self.gpus = inventory.gpus
         self._lease: Lease | None = None
         self.job_name: str | None = None  # what leases name the job by (a job host: its record's id)
+        # Where this machine's jobs run: None, here (a job host's own Session); in a kernel, the
+        # kernel's job host (taas.host.remote.KernelHost): its ``supervisor(...)`` runs the job
+        # in the host child, so that the ranks are the host's and the kernel only views them.
+        self.job_host = None
 
     def warm(self) -> None:
-        self.launcher.warm()
+        (self.job_host or self.launcher).warm()
 
     @staticmethod
     def preload_for_fork() -> None:
@@ -116,6 +120,8 @@ class Session:
         if self._cluster_launcher is not None:
             self._cluster_launcher.shutdown()
             self._cluster_launcher = None
+        if self.job_host is not None:
+            self.job_host.close()
         self.launcher.shutdown()
         self.resident.close()
 
@@ -330,9 +336,9 @@ class Session:
         """``job`` through the supervisor; rank 0's results for the notebook.  ``stats`` follows
         the supervisor's states and gets the job's figures however it ends."""
         plot, on_metrics = cellrun.live_plot(job, sink)
-        supervisor = Supervisor(launcher, job, sink, name_for=name_for,
-                                on_state=lambda state: self._state(stats, state),
-                                on_metrics=on_metrics)
+        make = self.job_host.supervisor if self.job_host is not None and launcher is self.launcher else Supervisor
+        supervisor = make(launcher, job, sink, name_for=name_for, on_state=lambda state: self._state(stats, state),
+                          on_metrics=on_metrics)
         started = time.monotonic()
         try:
             outcome = supervisor.run()
@@ -344,7 +350,7 @@ class Session:
             return back
         finally:
             cellrun.settle(plot, big, stats, started, supervisor.outcome)
-            stats.restarts = supervisor.machine.restarts
+            stats.restarts = supervisor.outcome.restarts
 
     def _state(self, stats: JobStats, state) -> None:
         stats.outcome = state.value

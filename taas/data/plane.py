@@ -200,6 +200,16 @@ class DataPlane:
                 self._show(item, sink, final=True)
                 item.ready_at = time.monotonic()
 
+    def figures(self) -> list[tuple[dict, float]]:
+        """What the run told each loader (its ranks' figures, the prefetch wait): all that
+        :meth:`summary` reads, for a plane that ran in another process (taas.host.serve)."""
+        return [(dict(item.stats), item.prefetch_s) for item in self.loaders]
+
+    def take_figures(self, figures: list[tuple[dict, float]]) -> None:
+        """This plane's loaders told what :meth:`figures` of the plane that ran said."""
+        for item, (stats, prefetch_s) in zip(self.loaders, figures):
+            item.stats, item.prefetch_s = stats, prefetch_s
+
     def summary(self) -> list[str]:
         lines = []
         for item in self.loaders:

@@ -177,8 +177,57 @@ class Ended:
     line: str
 
 
+# -- the kernel's own job host (serve.py, remote.py): every attached job of a kernel -----------
+# The same frames, on a socketpair between the kernel and its host child; Interrupt, Show,
+# Metrics and CellFailed as above.
+@dataclass(frozen=True)
+class RunJob:
+    """kernel -> host: run the job (a cloudpickled :class:`taas.job.api.Job` is the body; its
+    ``shared_fds``, ``fds`` of them, follow as SCM_RIGHTS on one byte); ``labels``: the cell's
+    file name -> how tracebacks name it; ``in_place``: the front end updates displays in place."""
+
+    fds: int
+    labels: dict
+    in_place: bool = True
+
+
+@dataclass(frozen=True)
+class JobState:
+    """host -> kernel: the job entered ``state`` (a :class:`taas.supervisor.machine.State` value)."""
+
+    state: str
+
+
+@dataclass(frozen=True)
+class Ask:
+    """host -> kernel: a rank asks the notebook's input box (``input()``, pdb)."""
+
+    prompt: str
+    password: bool = False
+
+
+@dataclass(frozen=True)
+class Answer:
+    """kernel -> host: the line typed (``text``), or end of input (``eof``), or why none can be
+    read (``error``, one line)."""
+
+    text: str | None = None
+    eof: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """host -> kernel: the job's end; the body is a pickled ``(Outcome, loaders)``: the
+    supervisor's outcome, and the data plane's figures (``DataPlane.figures``).  ``failed``:
+    a :class:`CellFailed` follows (the job raised; the outcome is how far it got)."""
+
+    failed: bool = False
+
+
 WIRE = {kind.__name__: kind for kind in (Hello, Welcome, Refused, RunCell, Interrupt, Release, Show,
-                                         Metrics, CellDone, CellFailed, Ended)}
+                                         Metrics, CellDone, CellFailed, Ended, RunJob, JobState, Ask,
+                                         Answer, JobDone)}
 SHOWN = frozenset({"write", "progress", "display", "live", "panel"})  # the Sink calls Show may name
 
 

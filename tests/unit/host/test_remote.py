@@ -1,0 +1,219 @@
+"""Attached jobs in the kernel's job host (taas.host.serve, taas.host.remote).
+
+The kernel's side first, against a recorded stream of the host's frames (no processes): each
+frame lands where it belongs, an input box is answered, the failure comes back as the notebook
+shows it.  Then real processes: a job's output, values and failure through the host; ranks
+that are the host's; an interrupt; a killed "kernel" takes its host and ranks with it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import psutil
+import pytest
+
+from taas import directive
+from taas.errors import JobFailed
+from taas.host import channel
+from taas.host.api import Answer, Ask, CellFailed, JobDone, JobState, Metrics, RunJob, Show
+from taas.host.remote import KernelHost, RemoteSupervisor
+from taas.job.api import Job, Policy, World
+from taas.session import Session
+from taas.supervisor.machine import State
+from taas.supervisor.supervisor import Outcome
+from tests.support.processes import wait_for
+from tests.support.sinks import Recorder
+
+
+class _Asking(Recorder):
+    def __init__(self, answer):
+        super().__init__()
+        self.answer = answer
+        self.asked: list = []
+
+    def ask(self, prompt, password=False):
+        self.asked.append((prompt, password))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+class _Recorded:
+    """A 'host' that plays recorded frames to the kernel's side and records what it answers."""
+
+    def __init__(self, frames):
+        self.sock, self.theirs = socket.socketpair()
+        self.frames = frames
+        self.received: list = []
+        self.thread = threading.Thread(target=self._play, daemon=True)
+        self.thread.start()
+
+    def _play(self):
+        run, body = channel.recv(self.theirs)
+        self.received.append(run)
+        for message, body in self.frames:
+            channel.send(self.theirs, message, body)
+            if isinstance(message, Ask):
+                self.received.append(channel.recv(self.theirs)[0])
+
+
+def _job() -> Job:
+    from taas.job.package import Payload
+
+    payload = Payload(source="pass\n", filename="<cell 7>", first_line=1, names=b"", bound=(), device="cpu",
+                      backend="gloo", pg_timeout=60.0, results=True, results_to_cpu=True)
+    return Job(job_id="j1", cwd="/", payload=payload, world=World(2, "cpu", "gloo"), policy=Policy())
+
+
+def _supervised(frames, sink):
+    host = _Recorded(frames)
+    states, rows = [], []
+    remote = RemoteSupervisor(host, _job(), sink, name_for=lambda name: "Cell In[7]",
+                              on_state=states.append, on_metrics=lambda key, r: rows.append((key, r)))
+    return host, remote, states, rows
+
+
+def test_the_kernels_side_replays_a_recorded_stream():
+    outcome = Outcome(result=b"r", exit_codes={"rank0": 0, "rank1": 0})
+    frames = [(JobState("prefetching"), b""), (Show("write", ["stdout", "[rank0] hi\n"]), b""),
+              (Metrics(0, [[1, {"loss": 0.5}]]), b""), (Ask("[rank1] name? "), b""),
+              (Show("progress", ["rank0", "stderr", "10%", False]), b""), (JobState("running"), b""),
+              (JobDone(), pickle.dumps((outcome, [])))]
+    sink = _Asking("ada")
+    host, remote, states, rows = _supervised(frames, sink)
+    assert remote.run() == outcome
+    host.thread.join(5)
+    run = host.received[0]
+    assert isinstance(run, RunJob) and run.labels == {"<cell 7>": "Cell In[7]"} and run.fds == 0
+    assert states == [State.PREFETCHING, State.RUNNING]
+    assert sink.text() == "[rank0] hi\n" and sink.bars == [("rank0", "10%", False)]
+    assert rows == [("rank0", [(1, {"loss": 0.5})])]
+    assert sink.asked == [("[rank1] name? ", False)] and host.received[1] == Answer(text="ada")
+
+
+def test_an_input_box_that_cannot_be_read_is_answered_with_why():
+    frames = [(Ask("x? "), b""), (Ask("y? "), b""), (JobDone(), pickle.dumps((Outcome(), [])))]
+    sink = _Asking(EOFError())
+    host, remote, _, _ = _supervised(frames, sink)
+    remote.run()
+    host.thread.join(5)
+    assert host.received[1:] == [Answer(eof=True), Answer(eof=True)]
+    host, remote, _, _ = _supervised(frames, Recorder())  # a sink with no input box
+    remote.run()
+    host.thread.join(5)
+    assert all(a.error and "no input box" in a.error for a in host.received[1:])
+
+
+def test_the_hosts_failure_comes_back_as_the_notebook_shows_it():
+    rendered = ["rank1 failed: ValueError: boom", "Traceback ...", "ValueError: boom"]
+    frames = [(JobDone(failed=True), pickle.dumps((Outcome(exit_codes={"rank1": 1}), []))),
+              (CellFailed(rendered[0], rendered, "JobFailed"), pickle.dumps({"key": "rank1"}))]
+    host, remote, _, _ = _supervised(frames, Recorder())
+    with pytest.raises(JobFailed) as raised:
+        remote.run()
+    assert raised.value._render_traceback_() == rendered and raised.value.report == {"key": "rank1"}
+    assert remote.outcome.exit_codes == {"rank1": 1}  # how far it got, for %taas
+
+
+# -- real processes ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hosted():
+    session = Session()
+    session.job_host = KernelHost()
+    session.warm()
+    yield session
+    session.close()
+
+
+def _ranks_of(host_pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(host_pid).children(recursive=True) if p.name().startswith("taas-rank")]
+
+
+def test_a_job_runs_under_the_host_and_its_values_come_back(hosted):
+    sink = _Asking("42")
+    cell = ("import os, torch.distributed as dist\n"
+            "answer = input('n? ') if dist.get_rank() == 0 else None\n"
+            "where = os.getppid()\nprint('rank', dist.get_rank(), x)\n")
+    result = hosted.run_cell(cell, {"x": 5}, directive.parse_options("--gpus 2"), sink=sink)
+    assert result.values["answer"] == "42" and sink.asked == [("[rank0] n? ", False)]
+    assert "[rank0] rank 0 5" in sink.text() and "[rank1] rank 1 5" in sink.text()
+    host = psutil.Process(hosted.job_host.proc.pid)
+    starter = psutil.Process(result.values["where"])  # rank 0's parent: the start process
+    assert host in starter.parents() and os.getpid() != starter.ppid()
+    assert hosted.launcher._proc is None  # the kernel's own launcher started nothing
+
+
+def test_a_failure_in_the_host_is_the_ranks_traceback_with_the_cells_lines(hosted):
+    cell = "import torch.distributed as dist\n\nif dist.get_rank() == 1:\n    raise ValueError('boom')\n"
+    with pytest.raises(JobFailed) as raised:
+        hosted.run_cell(cell, {}, directive.parse_options("--gpus 2"), sink=Recorder(), filename="<cell 3>",
+                        name_for=lambda name: "Cell In[3]" if name == "<cell 3>" else None)
+    text = "\n".join(raised.value.rendered)
+    assert "rank1 failed: ValueError: boom" in raised.value.summary
+    assert "Cell In[3], line 4" in text and "raise ValueError('boom')" in text and "taas/" not in text
+
+
+def test_an_interrupt_stops_the_job_in_the_host(hosted):
+    class Started(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.ready = threading.Event()
+
+        def write(self, stream, text):
+            super().write(stream, text)
+            if "sleeping 0" in self.text() and "sleeping 1" in self.text():
+                self.ready.set()
+
+    sink = Started()
+    main = threading.main_thread().ident
+
+    def interrupt():
+        if sink.ready.wait(120):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        hosted.run_cell("import os, time\nprint('sleeping', os.environ['RANK'], flush=True)\ntime.sleep(600)\n", {},
+                        directive.parse_options("--gpus 2"), sink=sink)
+    assert sink.ready.is_set()
+    assert _ranks_of(hosted.job_host.proc.pid) == []
+    assert hosted.run_cell("y = 2\n", {}, directive.parse_options("--gpus 2"), sink=Recorder()).values["y"] == 2
+
+
+def test_a_killed_kernel_takes_its_host_and_ranks_with_it(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from taas import directive
+        from taas.host.remote import KernelHost
+        from taas.session import Session
+        session = Session()
+        session.job_host = KernelHost()
+        session.warm()
+        print(session.job_host.proc.pid, flush=True)
+        session.run_cell("import time\\nprint('up', flush=True)\\ntime.sleep(600)\\n", {},
+                         directive.parse_options("--gpus 2"))
+    """))
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        host = psutil.Process(int(kernel.stdout.readline()))
+        for line in kernel.stdout:  # the ranks run ("[rank0-1] up" once both said so)
+            if line.endswith("] up\n"):
+                break
+        wait_for(lambda: len(_ranks_of(host.pid)) == 2, timeout=60, what="both ranks under the host")
+        ranks = _ranks_of(host.pid)
+        os.kill(kernel.pid, signal.SIGKILL)
+        kernel.wait()
+        gone, alive = psutil.wait_procs([host, *ranks], timeout=5)
+        assert alive == []
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()
