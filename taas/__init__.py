@@ -19,7 +19,6 @@ so nothing is printed unless the user adds a handler and lowers its level.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 __version__ = "0.1.0"
@@ -104,12 +103,8 @@ def load_ipython_extension(ipython) -> None:
     registry.set_namespace_source(_notebook_namespace)
     choose_display_formatter()
     session = Session()
-    if os.environ.get("TAAS_ATTACHED_IN_HOST", "0") == "1":
-        from taas.host.remote import KernelHost
-
-        session.job_host = KernelHost()  # attached jobs run in the kernel's job host child
+    magics = TaasMagics(ipython, session)  # (it gives the session the kernel's job host)
     session.warm()  # torch imports in the background while the user writes the next cell
-    magics = TaasMagics(ipython, session)
     magics.warm()  # a job host for the first --detach, warm too (TAAS_WARM_HOST=0: none ahead)
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.insert(0, pragma_transformer)

@@ -35,6 +35,10 @@ class TaasMagics(Magics):
         from taas.host.spares import Hosts
 
         self.hosts = Hosts()  # a warm job host for the next --detach (none started yet)
+        if os.environ.get("TAAS_ATTACHED_IN_HOST", "0") == "1":
+            from taas.host.remote import KernelHost
+
+            session.job_host = KernelHost()  # attached jobs run in the kernel's job host child
         self.adopted = None  # a kept detached job's ranks this kernel adopted (taas.host.adopt)
 
     def warm(self) -> None:

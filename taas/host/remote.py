@@ -126,9 +126,11 @@ class RemoteSupervisor:
             noted: list = []
             with _noting(noted):  # a frame read and handled whole, or the stream loses its place
                 message, body = self._next(sock)
-                done = self._handle(message, body)
+                done = None if isinstance(message, Ask) else self._handle(message, body)
             if noted:
                 self._interrupt(sock)
+            if isinstance(message, Ask):  # the input box waits for the user: Ctrl-C must reach it
+                self._ask(message)
             if done is not None:
                 failed, figures = done
                 if job.data is not None:
@@ -150,8 +152,6 @@ class RemoteSupervisor:
             self.on_state(State(message.state))
         elif isinstance(message, Metrics):
             self.on_metrics(keys.rank_key(message.rank), [(step, values) for step, values in message.rows])
-        elif isinstance(message, Ask):
-            self._ask(message)
         elif isinstance(message, JobDone):
             self.outcome, figures = pickle.loads(body)
             return message.failed, figures
@@ -176,9 +176,9 @@ class RemoteSupervisor:
             answer = Answer(error=str(exc))
         except OSError as exc:
             answer = Answer(error=f"stdin cannot be read here: {exc}")
-        except KeyboardInterrupt:  # at the input box: the job's interrupt, and its prompt ends
-            self._interrupt(self.host.sock)
-            answer = Answer(eof=True)
+        except KeyboardInterrupt:  # at the input box: the job's interrupt (the host's wait for the
+            self._interrupt(self.host.sock)  # answer ends with it, as ``ask`` raising does here)
+            return
         self._send(answer)
 
     def _send(self, message) -> None:
@@ -196,8 +196,6 @@ class RemoteSupervisor:
         except (OSError, EOFError, channel.ProtocolError) as exc:
             log.debug("the job host: %r", exc)
             self._gone()
-        if isinstance(message, CellFailed):
-            return message, body
         return message, body
 
     def _gone(self):

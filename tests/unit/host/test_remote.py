@@ -22,7 +22,7 @@ import pytest
 from taas import directive
 from taas.errors import JobFailed
 from taas.host import channel
-from taas.host.api import Answer, Ask, CellFailed, JobDone, JobState, Metrics, RunJob, Show
+from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, JobState, Metrics, RunJob, Show
 from taas.host.remote import KernelHost, RemoteSupervisor
 from taas.job.api import Job, Policy, World
 from taas.session import Session
@@ -109,6 +109,10 @@ def test_an_input_box_that_cannot_be_read_is_answered_with_why():
     remote.run()
     host.thread.join(5)
     assert all(a.error and "no input box" in a.error for a in host.received[1:])
+    host, remote, _, _ = _supervised(frames[1:], _Asking(KeyboardInterrupt()))  # Ctrl-C at the box
+    remote.run()
+    host.thread.join(5)
+    assert host.received[1:] == [Interrupt()]  # the host's wait ends with the job's interrupt
 
 
 def test_the_hosts_failure_comes_back_as_the_notebook_shows_it():
