@@ -61,6 +61,8 @@ class DataPlane:
         self.job_id: str | None = None
         self.transport: Transport | None = None
         self.settings: dict[str, dict] = {}
+        self.seed = 0  # the units' shuffle (plan() draws it from the kernel's torch RNG)
+        self.opened = 0  # attempts opened so far (a restart's seed is derived from the first)
 
     # -- before launch ---------------------------------------------------------------------
     @classmethod
@@ -85,7 +87,14 @@ class DataPlane:
             units = numbering.resolve_units(options.units, item.length, item.name)
             prefetch = numbering.default_prefetch(units, world, options.cpus, item.entry.prefetch)
             item.plan = numbering.Plan(units, options.cpus, world, prefetch)
-        return cls(list(found.values()), world, device)
+        plane = cls(list(found.values()), world, device)
+        # Like a DataLoader's iter(): one draw from the kernel's torch RNG, so that a fixed
+        # torch.manual_seed gives the same units to the same ranks, run after run -- drawn here,
+        # in the kernel, wherever the job then runs (taas.host.serve).
+        import torch
+
+        plane.seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        return plane
 
     def stand_ins(self) -> dict[int, str]:
         """The registered loaders as objects that must not travel to ranks (see package.ship)."""
@@ -95,7 +104,6 @@ class DataPlane:
         """Make every loader's channels with ``transport`` (a :class:`Transport` class, or its
         ``"module:Class"`` name) and the settings its workers and ranks attach with."""
         from taas.job import crossing
-        import torch
 
         if isinstance(transport, str):
             transport = resolve(transport)
@@ -106,9 +114,9 @@ class DataPlane:
             item.produced, item.ready, item.stats = {}, set(), {}
             item.ready_at, item.prefetch_s, item.shown_at = None, 0.0, 0.0
         self.transport = transport(job_id)
-        # Like a DataLoader's iter(): one draw from the kernel's torch RNG, so that a fixed
-        # torch.manual_seed gives the same units to the same ranks, run after run.
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        # The seed drawn when the plane was planned; each restart's its own, as fixed.
+        seed = self.seed if not self.opened else numbering.mix(self.seed, self.opened)
+        self.opened += 1
         for index, item in enumerate(self.loaders):
             try:
                 blob = crossing.dumps(item.entry.loader, crossing.TO_RANK)  # keeps cell file names

@@ -29,11 +29,10 @@ import subprocess
 import sys
 import threading
 
-import cloudpickle
-
 from taas.errors import LaunchError, NoStdin, RenderedError
 from taas.host import channel
 from taas.host.adopt import _failure, _noting
+from taas.job import crossing
 from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, JobState, Metrics, RunJob,
                            Show)
 
@@ -52,6 +51,7 @@ class KernelHost:
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._sent: set[str] = set()  # the cells' sources this host has (fresh_sources)
 
     def warm(self) -> None:
         """Start the host if it is not running (its start process then imports torch)."""
@@ -59,12 +59,23 @@ class KernelHost:
             if self.proc is not None and self.proc.poll() is None:
                 return
             self._close()
+            self._sent.clear()  # a new host has been sent nothing
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             with theirs:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "taas.host.serve", str(theirs.fileno()), str(os.getpid())],
                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
             self.sock = ours
+
+    def fresh_sources(self) -> dict:
+        """The notebook's cells (linecache's entries with no file behind them) the host has not
+        been sent yet: what its tracebacks and stacks quote the cells' lines from."""
+        import linecache
+
+        fresh = {name: entry for name, entry in list(linecache.cache.items())
+                 if len(entry) == 4 and entry[1] is None and name not in self._sent}
+        self._sent.update(fresh)
+        return fresh
 
     def supervisor(self, launcher, job, sink, *, name_for=None, on_state=None, on_metrics=None):
         """A :class:`RemoteSupervisor` for ``job`` (``launcher``: the kernel's, which the host
@@ -108,9 +119,12 @@ class RemoteSupervisor:
         assert sock is not None
         job = self.job
         filename = job.payload.filename
-        body = cloudpickle.dumps(dataclasses.replace(job, shared_fds=()), protocol=pickle.HIGHEST_PROTOCOL)
-        message = RunJob(len(job.shared_fds), {filename: self.name_for(filename)},
-                         getattr(self.sink, "updates_in_place", True))
+        sources = self.host.fresh_sources()  # the cells' lines, for the host's tracebacks and stacks
+        labels = {name: label for name in (*sources, filename) if (label := self.name_for(name))}
+        # As it is, but code keeps its file names (the cells' own, for tracebacks; cloudpickle's
+        # own would be "<dynamic-code>").
+        body = crossing.dumps((dataclasses.replace(job, shared_fds=()), sources), crossing.AS_IS)
+        message = RunJob(len(job.shared_fds), labels, getattr(self.sink, "updates_in_place", True))
         try:
             channel.send(sock, message, body)
             if job.shared_fds:

@@ -22,6 +22,7 @@ this host's pid).
 
 from __future__ import annotations
 
+import linecache
 import logging
 import os
 import pickle
@@ -71,6 +72,7 @@ class Serving:
         self.jobs: queue.Queue = queue.Queue()
         self.answers: queue.Queue = queue.Queue()
         self.busy = False  # a job was sent and has not been answered: an Interrupt is for it
+        self.labels: dict[str, str] = {}  # the cells' file names -> how tracebacks name them
         try:
             self.kernel = os.pidfd_open(kernel_pid)
         except (OSError, AttributeError):  # no pidfd: the socket alone says the kernel went
@@ -121,13 +123,14 @@ class Serving:
         job = None
         supervisor = None
         try:
-            job = pickle.loads(body)
+            job, sources = pickle.loads(body)
+            linecache.cache.update(sources)  # the cells' lines, quoted by tracebacks and stacks
+            self.labels.update(message.labels)
             job.shared_fds = tuple(fds)  # the same files, in the same order, as this host's fds
             while not self.answers.empty():  # answers to a job before this one
                 self.answers.get_nowait()
             sink = AskingSink(self.sock, message.in_place, self.answers)
-            labels = dict(message.labels)
-            supervisor = Supervisor(self.launcher, job, sink, name_for=labels.get,
+            supervisor = Supervisor(self.launcher, job, sink, name_for=self.labels.get,
                                     on_state=lambda state: sink.send(JobState(state.value)),
                                     on_metrics=lambda key, rows: sink.send(_metrics(key, rows)))
             supervisor.run()

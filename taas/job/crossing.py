@@ -37,6 +37,9 @@ from typing import Callable
 import cloudpickle
 
 TO_RANK, TO_KERNEL = "to_rank", "to_kernel"
+# Between two taas processes of the kernel's side (the kernel and its job host, taas.host.serve):
+# every value as it is, code objects keeping their file names.
+AS_IS = "as_is"
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ _WRAPPERS.update({name.replace("lightning_fabric.", "lightning.fabric.", 1): red
 
 _TO_KERNEL: dict[str, Callable] = {**_PROCESS_BOUND, **_WRAPPERS}
 
-_REGISTRY = {TO_RANK: _TO_RANK, TO_KERNEL: _TO_KERNEL}
+_REGISTRY: dict[str, dict] = {TO_RANK: _TO_RANK, TO_KERNEL: _TO_KERNEL, AS_IS: {}}
 _by_type: dict[tuple[str, type], Callable | None] = {}
 
 

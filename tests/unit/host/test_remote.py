@@ -55,6 +55,9 @@ class _Recorded:
         self.thread = threading.Thread(target=self._play, daemon=True)
         self.thread.start()
 
+    def fresh_sources(self):
+        return {"<cell 5>": (9, None, ["def f():\n", "    pass\n"], "<cell 5>")}
+
     def _play(self):
         run, body = channel.recv(self.theirs)
         self.received.append(run)
@@ -75,7 +78,8 @@ def _job() -> Job:
 def _supervised(frames, sink):
     host = _Recorded(frames)
     states, rows = [], []
-    remote = RemoteSupervisor(host, _job(), sink, name_for=lambda name: "Cell In[7]",
+    labels = {"<cell 7>": "Cell In[7]", "<cell 5>": "Cell In[5]"}
+    remote = RemoteSupervisor(host, _job(), sink, name_for=labels.get,
                               on_state=states.append, on_metrics=lambda key, r: rows.append((key, r)))
     return host, remote, states, rows
 
@@ -91,7 +95,9 @@ def test_the_kernels_side_replays_a_recorded_stream():
     assert remote.run() == outcome
     host.thread.join(5)
     run = host.received[0]
-    assert isinstance(run, RunJob) and run.labels == {"<cell 7>": "Cell In[7]"} and run.fds == 0
+    # the cells' names for tracebacks: this one's and those of the sources sent with it
+    assert isinstance(run, RunJob) and run.fds == 0
+    assert run.labels == {"<cell 7>": "Cell In[7]", "<cell 5>": "Cell In[5]"}
     assert states == [State.PREFETCHING, State.RUNNING]
     assert sink.text() == "[rank0] hi\n" and sink.bars == [("rank0", "10%", False)]
     assert rows == [("rank0", [(1, {"loss": 0.5})])]
