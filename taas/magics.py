@@ -35,7 +35,7 @@ class TaasMagics(Magics):
         from taas.host.spares import Hosts
 
         self.hosts = Hosts()  # a warm job host for the next --detach (none started yet)
-        if os.environ.get("TAAS_ATTACHED_IN_HOST", "0") == "1":
+        if os.environ.get("TAAS_ATTACHED_IN_HOST", "1") != "0":
             from taas.host.remote import KernelHost
 
             session.job_host = KernelHost()  # attached jobs run in the kernel's job host child

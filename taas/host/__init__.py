@@ -18,9 +18,9 @@ With ``--keep --detach`` the ranks stay after the cell and the host serves them 
 the record folder (kept.py, channel.py): one kernel at a time adopts them, proving the job's
 secret (adopt.py), and sends its later cells there; their output streams back as it happens.
 
-A kernel's attached jobs can run in a host too, its own (serve.py; remote.py is the kernel's
-side; ``TAAS_ATTACHED_IN_HOST=1``): a child that ends with the kernel, sent each prepared Job,
-sending every Sink call back as it happens.
+A kernel's attached jobs run in a host too, its own (serve.py; remote.py is the kernel's side;
+``TAAS_ATTACHED_IN_HOST=0``: in the kernel, as before): a child that ends with the kernel, sent
+each prepared Job, sending every Sink call back as it happens.
 
 May import: taas.session (the host runs a Session), taas.cellrun (the cell read as an attached
 cell's is), taas.jobs, taas.job, taas.io, taas.data,

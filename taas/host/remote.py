@@ -61,10 +61,15 @@ class KernelHost:
             self._close()
             self._sent.clear()  # a new host has been sent nothing
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            # In "/": each job says where its ranks start, and the notebook's directory may go.
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
             with theirs:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "taas.host.serve", str(theirs.fileno()), str(os.getpid())],
-                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+                    cwd="/", env=env)
             self.sock = ours
 
     def fresh_sources(self) -> dict:

@@ -295,9 +295,11 @@ def test_a_killed_kernel_leaves_no_loader_worker_or_shared_memory(tmp_path):
         k.run("slow = DataLoader(Own(2000, how='slow'), batch_size=1)\ntaas.register(slow)")
         k.execute("%%taas --gpus 2 --cpus 2 --units 1000\nimport time\nfor b in slow:\n    time.sleep(1)")
 
-        def running_job():  # the job whose header segment the kernel maps, once its blocks exist
-            with open(f"/proc/{k.pid}/maps") as f:
-                jobs = set(re.findall(r"/dev/shm/(taas-[0-9a-f]{12})-\d+", f.read()))
+        def running_job():  # the job whose header segment the kernel (or its job host, where the
+            jobs = set()    # job runs) maps, once its blocks exist
+            for pid in [k.pid] + [p.pid for p in k.descendants() if "taas.host.serve" in " ".join(p.cmdline())]:
+                with open(f"/proc/{pid}/maps") as f:
+                    jobs |= set(re.findall(r"/dev/shm/(taas-[0-9a-f]{12})-\d+", f.read()))
             if len(jobs) == 1 and len(processes()) == 4:
                 job = next(iter(jobs))
                 if len([n for n in shm_entries() if n.startswith(job + "-")]) > 1:  # header and blocks
