@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.launching.job import THINK_TIME, body, run_taas, run_torchrun
+from benchmarks.launching.job import THINK_TIME, body, new_session, run_taas, run_torchrun
 from benchmarks.launching.kernels import run_kernels
 from benchmarks.launching.values import run_big, run_results
 
@@ -68,20 +68,27 @@ def main() -> None:
         run_results(source, args.ranks, args.device, args.repeat, args.result_mib)
         return
 
-    from taas.session import Session
-
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "job.py")
         with open(script, "w") as f:
             f.write(source)
-        torchrun, cold, warm = [], [], []
+        torchrun, cold, warm, inkernel = [], [], [], []
         for _ in range(args.repeat):  # interleaved, so drift on a shared machine hits all alike
             torchrun.append(run_torchrun(script, args.ranks))
-            session = Session()
+            session = new_session()
             try:
                 cold.append(run_taas(session, source, args.ranks, args.device))
                 time.sleep(THINK_TIME)  # untimed: a person reads the output, then runs the next cell
                 warm.append(run_taas(session, source, args.ranks, args.device))
+            finally:
+                session.close()
+            # The same warm job with the supervisor in the kernel (TAAS_ATTACHED_IN_HOST=0): what
+            # the kernel's job host costs or saves.
+            session = new_session(in_host=False)
+            try:
+                run_taas(session, source, args.ranks, args.device)
+                time.sleep(THINK_TIME)
+                inkernel.append(run_taas(session, source, args.ranks, args.device))
             finally:
                 session.close()
 
@@ -95,6 +102,8 @@ def main() -> None:
           f"| taas warm {med(warm, 1):7.3f} ms")
     print(f"  ratio  cold/torchrun = {med(cold, 0) / med(torchrun, 0):.3f}   (goal <= 0.5)")
     print(f"  ratio  warm/torchrun = {med(warm, 0) / med(torchrun, 0):.3f}   (goal <= 0.05)")
+    print(f"  ratio  warm, supervisor in the kernel/torchrun = {med(inkernel, 0) / med(torchrun, 0):.3f}"
+          f"   (job host / in the kernel = {med(warm, 0) / med(inkernel, 0):.3f})")
     step_ratio = statistics.median([w[1] for w in warm]) / med(torchrun, 1)
     print(f"  ratio  step taas/torchrun = {step_ratio:.3f}   (goal <= 1.03)")
     if args.big_mib:

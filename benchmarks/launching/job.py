@@ -14,6 +14,21 @@ import time
 
 THINK_TIME = 1.0
 
+
+def new_session(in_host: bool | None = None):
+    """A Session as ``%load_ext taas`` makes one: its attached jobs in the kernel's job host
+    (taas.host.remote) unless ``TAAS_ATTACHED_IN_HOST=0``; ``in_host`` says which, for a
+    side-by-side run."""
+    from taas.host.remote import KernelHost
+    from taas.session import Session
+
+    if in_host is None:
+        in_host = os.environ.get("TAAS_ATTACHED_IN_HOST", "1") != "0"
+    session = Session()
+    if in_host:
+        session.job_host = KernelHost()
+    return session
+
 BODY = textwrap.dedent(
     """
     import json, os, time

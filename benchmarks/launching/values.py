@@ -71,10 +71,10 @@ def run_big(source: str, ranks: int, device: str, repeat: int, mib: int) -> None
     ``session.after_cell()`` runs where the kernel would run it, after each cell."""
     import torch
 
-    from taas.session import Session
+    from benchmarks.launching.job import new_session
 
     shm_base = shm_used()
-    session = Session()
+    session = new_session()
     plain, first, sample, whole, fresh = [], [], [], [], []
 
     def tensor():
@@ -159,7 +159,7 @@ def run_results(source: str, ranks: int, device: str, repeat: int, mib: int) -> 
 
     from taas.directive import parse_options
     from taas.job.memory import readback
-    from taas.session import Session
+    from benchmarks.launching.job import new_session
 
     width = int((mib * (1 << 20) / 4 / 16) ** 0.5)  # 16 square layers of float32: ~mib MiB
     tensor = RESULT_TENSOR.format(n=mib << 18)
@@ -170,7 +170,7 @@ def run_results(source: str, ranks: int, device: str, repeat: int, mib: int) -> 
     times: dict[str, list[float]] = {k: [] for k in rows}
     growth: dict[str, list[float]] = {"tensor bound": [], "model bound": []}
     options = parse_options(f"--gpus {ranks} --device {device}")
-    session = Session()
+    session = new_session()
     read = readback.read
 
     def refuse(pid, regions):  # what a kernel that may not read rank 0 answers
