@@ -227,3 +227,25 @@ def test_a_killed_kernel_takes_its_host_and_ranks_with_it(tmp_path):
         if kernel.poll() is None:
             kernel.kill()
             kernel.wait()
+
+
+def test_a_killed_job_host_is_one_line_its_ranks_end_and_the_next_cell_gets_a_new_host(hosted):
+    from taas.host.remote import HostGone
+
+    class Killer(Recorder):
+        def write(self, stream, text):
+            super().write(stream, text)
+            if "up 0" in self.text() and "up 1" in self.text() and not getattr(self, "ranks", None):
+                host = psutil.Process(hosted.job_host.proc.pid)
+                self.ranks = _ranks_of(host.pid)
+                os.kill(host.pid, signal.SIGKILL)
+
+    sink = Killer()
+    with pytest.raises(HostGone) as raised:
+        hosted.run_cell("import os, time\nprint('up', os.environ['RANK'], flush=True)\ntime.sleep(600)\n", {},
+                        directive.parse_options("--gpus 2"), sink=sink)
+    assert len(str(raised.value).splitlines()) == 1 and "job host ended under the job" in str(raised.value)
+    assert len(sink.ranks) == 2
+    assert psutil.wait_procs(sink.ranks, timeout=5)[1] == []  # the guard ended them with the host
+    again = hosted.run_cell("y = 3\n", {}, directive.parse_options("--gpus 2"), sink=Recorder())
+    assert again.values["y"] == 3
