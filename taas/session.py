@@ -32,7 +32,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from taas import cellrun, directive
-from taas.errors import DirectiveError, JobFailed, KeptRanksGone, LaunchError
+from taas.errors import DirectiveError, KeptRanksGone, LaunchError
 from taas.io import keys
 from taas.io.output import INFO, WARN, Sink, TerminalSink
 from taas.io.output import note as write_note
@@ -42,12 +42,12 @@ from taas.job.api import Job, JobStats, Policy, World
 from taas.job.memory.bigvalues import BigValues
 from taas.job.memory.resident import ResidentMemory
 from taas.job.results import CellResult
+from taas.keptrun import KeptRanks
 from taas.launch.api import cuda_device_count
 from taas.leases import inventory
 from taas.leases.locks import Lease
 from taas.leases.wait import for_cell, machine_lines
-from taas.supervisor.cell import KeptCell
-from taas.supervisor.kept import Kept, Keeper, debug_cell
+from taas.supervisor.kept import Kept, Keeper
 from taas.supervisor.supervisor import Supervisor
 from taas.wiring import group_timeout, launcher_from_env, process_env, rebound_loaders, transport_for
 from taas.workdir.cwd import working_directory
@@ -63,7 +63,7 @@ __all__ = ["INFO", "WARN", "CellResult", "JobStats", "Session", "launcher_from_e
 log = logging.getLogger(__name__)
 
 
-class Session:
+class Session(KeptRanks):
     def __init__(self, launcher=None):
         self.launcher = launcher or launcher_from_env()  # this machine's
         # ``%taas cluster ADDRESS``: the session's default cluster ("local": this machine, even
@@ -357,70 +357,6 @@ class Session:
         if self.on_state is not None:
             self.on_state(state)
 
-    # -- kept ranks (--keep) ---------------------------------------------------------------
-    def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink, cuda_devices) -> Kept | None:
-        """The kept ranks this cell runs on, or None (see :meth:`Keeper.reuse`)."""
-        def world(kept: Kept) -> tuple:  # what this cell asks for; no --gpus: the kept size
-            wanted = options if options.gpus is not None else dataclasses.replace(options, gpus=kept.world.size)
-            return directive.resolve_world(wanted, cuda_devices(), launcher.where)[:3]
-
-        return self.keeper.reuse(launcher, world, options.fresh, options.keep, sink)
-
-    def _run_kept(self, launcher, job: Job, big: BigValues, options: directive.JobOptions,
-                  sink: Sink, name_for) -> CellResult:
-        """``job`` on kept ranks (started now when none are kept); they stay afterwards
-        unless they could not all come back (taas.supervisor.kept)."""
-        stats = self.last
-        assert stats is not None
-        limit = options.keep if options.keep is not None else directive.KEEP_DEFAULT
-        plot, on_metrics = cellrun.live_plot(job, sink)
-        run = KeptCell(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
-                       on_state=lambda state: self._state(stats, state),
-                       on_metrics=on_metrics)
-        shipped, self._shipped = self._shipped, {}
-        started = time.monotonic()
-        try:
-            try:
-                outcome = run.run()
-            except JobFailed as failed:  # %taas debug's default rank: the root cause's
-                if run.kept is not None and not self._debugging:
-                    run.kept.failed_rank = keys.rank_of(failed.report.key) if failed.report else None
-                raise
-            if run.kept is not None and not self._debugging:
-                run.kept.failed_rank = None
-            cellrun.succeeded(job, outcome, job.data, stats, sink)
-            if not job.policy.results or outcome.result is None:
-                return CellResult()
-            channel = big.channel or (run.kept.channel if run.kept is not None else None)
-            back = results.load(results.decode(outcome.result), channel)
-            stats.results = back.big
-            shipped.update(back.values)  # the ranks hold what came back: not sent again
-            return back
-        finally:
-            if run.kept is not None and run.kept.channel is None:  # they just started: theirs
-                run.kept.channel, big.channel = big.channel, None
-            self.keeper.after_cell(run.kept, shipped)
-            cellrun.settle(plot, big, stats, started, run.outcome)
-
-    @property
-    def kept(self) -> Kept | None:
-        return self.keeper.kept
-
-    def debug(self, rank: int | None = None, sink: Sink | None = None, name_for=None) -> None:
-        """``%taas debug [RANK]``: on kept ranks, the debugger at the frame where rank ``RANK``'s
-        last failed cell raised (default: the root cause of the last failed cell), in this
-        cell's input box; leaving it (``q``, ``c``) keeps the ranks and their state."""
-        source = debug_cell(self.kept, rank)
-        self._debugging = True
-        try:
-            self.run_cell(source, {}, directive.parse_options("--no-results"), filename="<taas debug>",
-                          sink=sink, name_for=name_for)
-        finally:
-            self._debugging = False
-
-    def release(self, sink: Sink | None = None) -> str | None:
-        """``%taas release``: end the kept ranks; a line saying what ended, or None."""
-        return self.keeper.release(sink)
     def _device_changed(self, options: directive.JobOptions, note: str | None) -> bool:
         """Whether the device decision of a job with ``options`` (its fallback ``note``, None on
         CUDA) differs from the last one taas made: the CPU-fallback note shows once per kernel,

@@ -62,8 +62,11 @@ ROOMS: dict[str, set[str]] = {
                     "taas.data.tcp", "taas.job"},
     # What every job of a cell goes through around its run (the session's and a job host's).
     "taas.cellrun": {"taas.errors", "taas.io", "taas.job", "taas.job.memory", "taas.rank", "taas.data"},
-    "taas.session": {"taas.cellrun", "taas.wiring", "taas.errors", "taas.shield", "taas.directive", "taas.io",
-                     "taas.job",
+    # The session's kept ranks: a part of the Session, apart to keep each readable.
+    "taas.keptrun": {"taas.cellrun", "taas.directive", "taas.errors", "taas.io", "taas.job", "taas.job.memory",
+                     "taas.supervisor"},
+    "taas.session": {"taas.keptrun", "taas.cellrun", "taas.wiring", "taas.errors", "taas.shield",
+                     "taas.directive", "taas.io", "taas.job",
                      "taas.job.memory", "taas.workdir", "taas.launch", "taas.launch.local",
                      "taas.launch.ray", "taas.data", "taas.data.shm", "taas.data.tcp",
                      "taas.rank", "taas.supervisor", "taas.leases"},
