@@ -8,6 +8,7 @@ No IPython here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 import time
 
 from taas import cellrun, directive
@@ -30,6 +31,8 @@ class KeptRanks:
     last: JobStats | None  # what %taas says of the last job
     _shipped: dict  # what the cell being prepared sends to kept ranks
     _debugging: bool  # %taas debug runs its cell (it keeps failed_rank)
+    launcher: Any  # this machine's
+    job_host: Any  # the kernel's job host (taas.host.remote.KernelHost), or None
 
     def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink, cuda_devices) -> Kept | None:
         """The kept ranks this cell runs on, or None (see :meth:`Keeper.reuse`)."""
@@ -47,9 +50,10 @@ class KeptRanks:
         assert stats is not None
         limit = options.keep if options.keep is not None else directive.KEEP_DEFAULT
         plot, on_metrics = cellrun.live_plot(job, sink)
-        run = KeptCell(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
-                       on_state=lambda state: self._state(stats, state),
-                       on_metrics=on_metrics)
+        # In the kernel's job host (taas.host.remote), when it has one, as a one-cell job is.
+        make = self.job_host.kept_cell if self.job_host is not None and launcher is self.launcher else KeptCell
+        run = make(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
+                   on_state=lambda state: self._state(stats, state), on_metrics=on_metrics)
         shipped, self._shipped = self._shipped, {}
         started = time.monotonic()
         try:

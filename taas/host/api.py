@@ -189,6 +189,22 @@ class RunJob:
     fds: int
     labels: dict
     in_place: bool = True
+    keep: float | None = None  # --keep: the cell runs on kept ranks with this idle limit (s)
+    kept: str = ""  # the kept ranks' job id it runs on ("": it starts them)
+
+
+@dataclass(frozen=True)
+class KeptCall:
+    """kernel -> host, between cells: a question about the kept ranks the host keeps for this
+    kernel (``lost``, ``memory``, ``reserved``), or ``release`` (Show* may come first: the
+    layers' merge notes); the host answers :class:`KeptAnswer`."""
+
+    call: str
+
+
+@dataclass(frozen=True)
+class KeptAnswer:
+    value: object = None
 
 
 @dataclass(frozen=True)
@@ -218,16 +234,18 @@ class Answer:
 
 @dataclass(frozen=True)
 class JobDone:
-    """host -> kernel: the job's end; the body is a pickled ``(Outcome, loaders)``: the
-    supervisor's outcome, and the data plane's figures (``DataPlane.figures``).  ``failed``:
-    a :class:`CellFailed` follows (the job raised; the outcome is how far it got)."""
+    """host -> kernel: the job's end; the body is a pickled ``(Outcome, loaders, kept)``: the
+    supervisor's outcome, the data plane's figures (``DataPlane.figures``), and the kept
+    ranks after a ``--keep`` cell (a dict: job_id, world, cells, gpu_mem; None: there are
+    none).  ``failed``: a :class:`CellFailed` follows (the job raised; the outcome is how far
+    it got)."""
 
     failed: bool = False
 
 
 WIRE = {kind.__name__: kind for kind in (Hello, Welcome, Refused, RunCell, Interrupt, Release, Show,
                                          Metrics, CellDone, CellFailed, Ended, RunJob, JobState, Ask,
-                                         Answer, JobDone)}
+                                         Answer, JobDone, KeptCall, KeptAnswer)}
 SHOWN = frozenset({"write", "progress", "display", "live", "panel"})  # the Sink calls Show may name
 
 

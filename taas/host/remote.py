@@ -28,13 +28,16 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 from taas.errors import LaunchError, NoStdin, RenderedError
+from taas.job.api import World
+from taas.supervisor.kept import Kept
 from taas.host import channel
 from taas.host.adopt import _failure, _noting
 from taas.job import crossing
-from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, JobState, Metrics, RunJob,
-                           Show)
+from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, JobState, KeptAnswer, KeptCall,
+                           Metrics, RunJob, Show)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,35 @@ class KernelHost:
         self.warm()
         return RemoteSupervisor(self, job, sink, name_for=name_for, on_state=on_state, on_metrics=on_metrics)
 
+    def kept_cell(self, launcher, job, sink, *, kept, limit: float, name_for=None, on_state=None,
+                  on_metrics=None):
+        """A :class:`RemoteKeptCell` for ``job`` on ``kept`` (a :class:`RemoteKept`; None: it
+        starts kept ranks in the host), with a KeptCell's calls."""
+        if kept is None:
+            self.warm()
+        return RemoteKeptCell(self, job, sink, name_for=name_for, on_state=on_state, on_metrics=on_metrics,
+                              launcher=launcher, kept=kept, limit=limit)
+
+    def call(self, what: str, sink=None):
+        """Ask the host about the kept ranks it keeps for this kernel (``lost``, ``memory``,
+        ``reserved``) or ``release`` them; Show frames meanwhile go to ``sink``.  A host that is
+        gone: "lost" says so, the others have nothing to say."""
+        gone = "their host ended (killed?), and they with it" if what == "lost" else None
+        sock = self.sock
+        if sock is None:
+            return gone
+        try:
+            channel.send(sock, KeptCall(what))
+            while True:
+                message, _ = channel.recv(sock)
+                if isinstance(message, KeptAnswer):
+                    return message.value
+                if isinstance(message, Show) and message.call in SHOWN and sink is not None:
+                    getattr(sink, message.call)(*message.args)
+        except (OSError, EOFError, channel.ProtocolError):
+            self.close()
+            return gone
+
     def close(self) -> None:
         """The host ends (and any job it runs, with it)."""
         with self._lock:
@@ -129,7 +161,7 @@ class RemoteSupervisor:
         # As it is, but code keeps its file names (the cells' own, for tracebacks; cloudpickle's
         # own would be "<dynamic-code>").
         body = crossing.dumps((dataclasses.replace(job, shared_fds=()), sources), crossing.AS_IS)
-        message = RunJob(len(job.shared_fds), labels, getattr(self.sink, "updates_in_place", True))
+        message = dataclasses.replace(self._message(), labels=labels)
         try:
             channel.send(sock, message, body)
             if job.shared_fds:
@@ -151,13 +183,22 @@ class RemoteSupervisor:
             if isinstance(message, Ask):  # the input box waits for the user: Ctrl-C must reach it
                 self._ask(message)
             if done is not None:
-                failed, figures = done
+                failed, figures, kept = done
                 if job.data is not None:
                     job.data.take_figures(figures)
+                self._kept(kept)
                 if failed:
                     failure, report = self._next(sock)
                     raise _rebuilt(failure, report)
                 return self.outcome
+
+    def _message(self) -> RunJob:
+        """What asks the host to run this job."""
+        job = self.job
+        return RunJob(len(job.shared_fds), {}, getattr(self.sink, "updates_in_place", True))
+
+    def _kept(self, kept: dict | None) -> None:
+        """The kept ranks the host has after the job (a one-cell job: nothing to do)."""
 
     def _handle(self, message, body: bytes):
         """One frame from the host; ``(failed, figures)`` when it says the job ended."""
@@ -172,8 +213,8 @@ class RemoteSupervisor:
         elif isinstance(message, Metrics):
             self.on_metrics(keys.rank_key(message.rank), [(step, values) for step, values in message.rows])
         elif isinstance(message, JobDone):
-            self.outcome, figures = pickle.loads(body)
-            return message.failed, figures
+            self.outcome, figures, kept = pickle.loads(body)
+            return message.failed, figures, kept
         return None
 
     def _show(self, message: Show) -> None:
@@ -230,6 +271,8 @@ def _rebuilt(failure: CellFailed, report_body: bytes) -> BaseException:
     kind = getattr(errors, failure.error, None)
     if failure.error == "KeyboardInterrupt" or kind is None or not isinstance(kind, type):
         return _failure(failure)
+    if issubclass(kind, errors.KeptRanksGone):
+        return kind(failure.summary.removeprefix("the kept ranks are gone: "))
     if issubclass(kind, errors.JobFailed):
         try:
             report = pickle.loads(report_body) if report_body else None
@@ -242,3 +285,71 @@ def _rebuilt(failure: CellFailed, report_body: bytes) -> BaseException:
         return kind(failure.summary)
     except TypeError:
         return _failure(failure)
+
+
+class RemoteHandle:
+    """The kept ranks' handle as the kernel's bookkeeping asks it (the host has the real one)."""
+
+    def __init__(self, host: KernelHost):
+        self.host = host
+
+    def lost(self) -> str | None:
+        return self.host.call("lost")
+
+    def memory(self) -> dict:
+        return self.host.call("memory") or {}
+
+    def reserved(self) -> str:
+        return self.host.call("reserved") or ""
+
+
+class RemoteKept(Kept):
+    """The kernel's bookkeeping of kept ranks that live in its job host: what they hold, their
+    idle limit, the results channel (all here), and a :class:`RemoteHandle`."""
+
+    def __init__(self, host: KernelHost, launcher, info: dict, limit: float):
+        super().__init__(launcher, RemoteHandle(host), World(*info["world"]), info["job_id"], None, limit)
+        self.host = host
+
+    def update(self, info: dict) -> None:
+        self.cells = info["cells"]
+        self.gpu_mem.update(info["gpu_mem"])
+        self.last_used = time.monotonic()
+
+    def release(self, sink=None) -> None:
+        if self.handle is None:
+            return
+        self.handle = None
+        try:
+            self.host.call("release", sink)  # stopped, their layers merged, in the host
+        finally:
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
+
+
+class RemoteKeptCell(RemoteSupervisor):
+    """One cell on kept ranks in the kernel's job host (a KeptCell's calls: ``run()``,
+    ``outcome``, ``kept``: the kernel's :class:`RemoteKept` after it, or None)."""
+
+    def __init__(self, host: KernelHost, job, sink, *, launcher, kept: RemoteKept | None, limit: float, **hooks):
+        super().__init__(host, job, sink, **hooks)
+        self.launcher, self.kept, self.limit = launcher, kept, limit
+
+    def _message(self) -> RunJob:
+        return dataclasses.replace(super()._message(), keep=self.limit, kept=self.kept.job_id if self.kept else "")
+
+    def _kept(self, info: dict | None) -> None:
+        if info is None:  # they ended (lost, or a rank short before the cell was sent)
+            if self.kept is not None:  # nothing of them is left to end but the results channel
+                self.kept.handle = None
+                if self.kept.channel is not None:
+                    self.kept.channel.close()
+                    self.kept.channel = None
+            self.kept = None
+        elif self.kept is not None and self.kept.job_id == info["job_id"]:
+            self.kept.update(info)
+            self.kept.limit = self.limit
+        else:
+            self.kept = RemoteKept(self.host, self.launcher, info, self.limit)
+            self.kept.update(info)

@@ -36,7 +36,7 @@ import threading
 import cloudpickle
 
 from taas.host import channel
-from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, JobState, RunJob
+from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, JobState, KeptAnswer, KeptCall, RunJob
 from taas.host.cells import failure_of
 from taas.host.kept import WireSink
 
@@ -73,6 +73,7 @@ class Serving:
         self.answers: queue.Queue = queue.Queue()
         self.busy = False  # a job was sent and has not been answered: an Interrupt is for it
         self.labels: dict[str, str] = {}  # the cells' file names -> how tracebacks name them
+        self.kept = None  # the kept ranks this kernel has here (taas.supervisor.kept.Kept), if any
         try:
             self.kernel = os.pidfd_open(kernel_pid)
         except (OSError, AttributeError):  # no pidfd: the socket alone says the kernel went
@@ -97,6 +98,8 @@ class Serving:
             if isinstance(message, RunJob):
                 self.busy = True
                 self.jobs.put((message, body, fds))
+            elif isinstance(message, KeptCall):
+                self.jobs.put((message, b"", []))
             elif isinstance(message, Interrupt):
                 if self.busy:
                     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
@@ -110,6 +113,9 @@ class Serving:
         signal.signal(signal.SIGINT, self._on_int)
         while True:
             item = self.jobs.get()
+            if isinstance(item[0], KeptCall):
+                self._call(item[0])
+                continue
             answered: list = []
             try:
                 self._run(*item, answered=answered)
@@ -118,10 +124,11 @@ class Serving:
                     self._answer(Outcome(), KeyboardInterrupt(), answered)
 
     def _run(self, message: RunJob, body: bytes, fds: list[int], answered: list) -> None:
+        from taas.supervisor.cell import KeptCell
         from taas.supervisor.supervisor import Outcome, Supervisor
 
         job = None
-        supervisor = None
+        supervisor: Supervisor | KeptCell | None = None
         try:
             job, sources = pickle.loads(body)
             linecache.cache.update(sources)  # the cells' lines, quoted by tracebacks and stacks
@@ -130,10 +137,18 @@ class Serving:
             while not self.answers.empty():  # answers to a job before this one
                 self.answers.get_nowait()
             sink = AskingSink(self.sock, message.in_place, self.answers)
-            supervisor = Supervisor(self.launcher, job, sink, name_for=self.labels.get,
-                                    on_state=lambda state: sink.send(JobState(state.value)),
-                                    on_metrics=lambda key, rows: sink.send(_metrics(key, rows)))
-            supervisor.run()
+            hooks = dict(name_for=self.labels.get, on_state=lambda state: sink.send(JobState(state.value)),
+                         on_metrics=lambda key, rows: sink.send(_metrics(key, rows)))
+            if message.keep is None:
+                supervisor = Supervisor(self.launcher, job, sink, **hooks)
+                supervisor.run()
+            else:  # on the kept ranks this kernel has here (or new ones), which stay after it
+                kept = self.kept if self.kept is not None and self.kept.job_id == message.kept else None
+                supervisor = KeptCell(self.launcher, job, sink, kept=kept, limit=message.keep, **hooks)
+                try:
+                    supervisor.run()
+                finally:
+                    self.kept = supervisor.kept
             self._answer(supervisor.outcome if supervisor else Outcome(), None, answered, job)
         except BaseException as exc:  # what the notebook shows, whatever it was
             self._answer(supervisor.outcome if supervisor else Outcome(), exc, answered, job)
@@ -150,7 +165,11 @@ class Serving:
         answered.append(True)
         self.busy = False  # before the answer: the kernel's next RunJob may follow at once
         figures = job.data.figures() if job is not None and job.data is not None else []
-        body = pickle.dumps((outcome, figures), protocol=pickle.HIGHEST_PROTOCOL)
+        kept = None if self.kept is None else dict(
+            job_id=self.kept.job_id, world=(self.kept.world.size, self.kept.world.device, self.kept.world.backend),
+            cells=self.kept.cells,
+            gpu_mem=dict(self.kept.gpu_mem))
+        body = pickle.dumps((outcome, figures, kept), protocol=pickle.HIGHEST_PROTOCOL)
         with _quiet():
             channel.send(self.sock, JobDone(failed=exc is not None), body)
             if exc is not None:
@@ -158,6 +177,29 @@ class Serving:
                 report = getattr(exc, "report", None)
                 channel.send(self.sock, CellFailed(failure.summary, list(failure.rendered), failure.kind),
                              _pickled(report))
+
+    def _call(self, message: KeptCall) -> None:
+        """A question about the kept ranks, or their release, between cells."""
+        kept = self.kept
+        value: object = None
+        try:
+            if message.call == "release":
+                self.kept = None
+                if kept is not None:  # the layers' merge notes go to the kernel's sink
+                    kept.release(AskingSink(self.sock, True, self.answers))
+            elif kept is None:
+                value = "their processes ended" if message.call == "lost" else None
+            elif message.call == "lost":
+                value = kept.handle.lost()
+            elif message.call == "memory":
+                value = kept.handle.memory()
+            elif message.call == "reserved":
+                value = kept.handle.reserved()
+        except Exception as exc:  # the kernel asked between cells: it gets what went wrong
+            log.debug("kept ranks, %s: %r", message.call, exc)
+            value = f"their host could not tell ({type(exc).__name__}: {exc})" if message.call == "lost" else None
+        with _quiet():
+            channel.send(self.sock, KeptAnswer(value))
 
     def _on_int(self, signum, frame) -> None:
         if self.busy:  # the kernel's Interrupt: only a job hears it

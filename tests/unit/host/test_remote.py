@@ -89,7 +89,7 @@ def test_the_kernels_side_replays_a_recorded_stream():
     frames = [(JobState("prefetching"), b""), (Show("write", ["stdout", "[rank0] hi\n"]), b""),
               (Metrics(0, [[1, {"loss": 0.5}]]), b""), (Ask("[rank1] name? "), b""),
               (Show("progress", ["rank0", "stderr", "10%", False]), b""), (JobState("running"), b""),
-              (JobDone(), pickle.dumps((outcome, [])))]
+              (JobDone(), pickle.dumps((outcome, [], None)))]
     sink = _Asking("ada")
     host, remote, states, rows = _supervised(frames, sink)
     assert remote.run() == outcome
@@ -105,7 +105,7 @@ def test_the_kernels_side_replays_a_recorded_stream():
 
 
 def test_an_input_box_that_cannot_be_read_is_answered_with_why():
-    frames = [(Ask("x? "), b""), (Ask("y? "), b""), (JobDone(), pickle.dumps((Outcome(), [])))]
+    frames = [(Ask("x? "), b""), (Ask("y? "), b""), (JobDone(), pickle.dumps((Outcome(), [], None)))]
     sink = _Asking(EOFError())
     host, remote, _, _ = _supervised(frames, sink)
     remote.run()
@@ -123,7 +123,7 @@ def test_an_input_box_that_cannot_be_read_is_answered_with_why():
 
 def test_the_hosts_failure_comes_back_as_the_notebook_shows_it():
     rendered = ["rank1 failed: ValueError: boom", "Traceback ...", "ValueError: boom"]
-    frames = [(JobDone(failed=True), pickle.dumps((Outcome(exit_codes={"rank1": 1}), []))),
+    frames = [(JobDone(failed=True), pickle.dumps((Outcome(exit_codes={"rank1": 1}), [], None))),
               (CellFailed(rendered[0], rendered, "JobFailed"), pickle.dumps({"key": "rank1"}))]
     host, remote, _, _ = _supervised(frames, Recorder())
     with pytest.raises(JobFailed) as raised:
@@ -249,3 +249,38 @@ def test_a_killed_job_host_is_one_line_its_ranks_end_and_the_next_cell_gets_a_ne
     assert psutil.wait_procs(sink.ranks, timeout=5)[1] == []  # the guard ended them with the host
     again = hosted.run_cell("y = 3\n", {}, directive.parse_options("--gpus 2"), sink=Recorder())
     assert again.values["y"] == 3
+
+
+def test_kept_ranks_live_in_the_host_keep_their_state_and_end_when_released(hosted):
+    keep = directive.parse_options("--gpus 2 --keep")
+    cell = "import os, torch.distributed as dist\nstate = dist.get_rank() * 10\nwhere = os.getppid()\n"
+    first = hosted.run_cell(cell, {}, keep, sink=Recorder())
+    kept = hosted.kept
+    assert kept is not None and kept.world.size == 2
+    host = psutil.Process(hosted.job_host.proc.pid)
+    assert host in psutil.Process(first.values["where"]).parents()  # the host's start process
+    ranks = _ranks_of(host.pid)
+    assert len(ranks) == 2
+    sink = Recorder()
+    again = hosted.run_cell("state += 1\nprint('state', state)\n", {}, keep, sink=sink)
+    assert again.values["state"] == 1 and "[rank1] state 11" in sink.text()
+    assert hosted.kept is kept and kept.cells == 2 and "2 cell(s)" in kept.describe()
+    assert kept.handle.lost() is None
+    assert hosted.release() == "taas: released the kept ranks (2 on cpu/gloo)"
+    assert psutil.wait_procs(ranks, timeout=5)[1] == []
+    assert hosted.kept is None
+
+
+def test_kept_ranks_whose_host_was_killed_are_one_line_and_the_next_cell_starts_fresh(hosted):
+    keep = directive.parse_options("--gpus 2 --keep")
+    hosted.run_cell("x = 1\n", {}, keep, sink=Recorder())
+    host = psutil.Process(hosted.job_host.proc.pid)
+    ranks = _ranks_of(host.pid)
+    host.kill()
+    assert psutil.wait_procs([host, *ranks], timeout=5)[1] == []
+    sink = Recorder()
+    assert hosted.run_cell("print('fresh')\n", {}, keep, sink=sink).values == {}
+    assert ("taas: released the kept ranks (2 on cpu/gloo): their host ended (killed?), and they with it, "
+            "so their state is lost; this cell starts fresh ranks\n") in sink.text("stderr")
+    assert "[rank0-1] fresh" in sink.text()
+    hosted.release()
