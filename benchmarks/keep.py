@@ -50,15 +50,20 @@ def run_kept_kernels(ranks: int, repeat: int) -> None:
 
     expect = f"rank {ranks - 1} sum {ranks}"
     fresh_cell, kept_cell = f"%%taas --gpus {ranks}\n{TRIVIAL}", f"%%taas\n{TRIVIAL}"
-    times: dict[str, list[float]] = {"fresh": [], "kept": [], "adopted": [], "nbd": []}
+    times: dict[str, list[float]] = {"fresh": [], "kept": [], "adopted": [], "nbd": [], "fresh0": [], "kept0": []}
+    in_kernel = dict(OFFLINE, TAAS_ATTACHED_IN_HOST="0")  # the supervisor in the kernel, as before
     with tempfile.TemporaryDirectory() as cwd:
         fresh, kept, nbd = Kernel(cwd, env=OFFLINE), Kernel(cwd, env=OFFLINE), None
+        fresh0, kept0 = Kernel(cwd, env=in_kernel), Kernel(cwd, env=in_kernel)
         adopted = None
         try:
-            timed(fresh, fresh_cell, expect)  # warm-up: the start process is up
-            timed(kept, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", expect)  # the ranks stay
+            for k in (fresh, fresh0):
+                timed(k, fresh_cell, expect)  # warm-up: the start process is up
+            for k in (kept, kept0):
+                timed(k, f"%%taas --gpus {ranks} --keep\n{TRIVIAL}", expect)  # the ranks stay
             adopted = _adopted_kernel(cwd, ranks, expect)
-            rows = [("fresh", fresh, fresh_cell), ("kept", kept, kept_cell), ("adopted", adopted, kept_cell)]
+            rows = [("fresh", fresh, fresh_cell), ("kept", kept, kept_cell), ("adopted", adopted, kept_cell),
+                    ("fresh0", fresh0, fresh_cell), ("kept0", kept0, kept_cell)]
             if _nbd_installed():
                 nbd = NbdKernel(cwd, ranks)
                 timed(nbd, TRIVIAL, expect)
@@ -68,10 +73,11 @@ def run_kept_kernels(ranks: int, repeat: int) -> None:
                     time.sleep(THINK_TIME)
                     times[name].append(timed(kernel, code, expect))
             timed(kept, "%taas release", "released the kept ranks")
+            timed(kept0, "%taas release", "released the kept ranks")
             timed(adopted, "%taas release", "released the kept ranks")
         finally:
-            fresh.shutdown()
-            kept.shutdown()
+            for k in (fresh, kept, fresh0, kept0):
+                k.shutdown()
             if adopted is not None:
                 # Its ranks outlive the kernel (--keep --detach): released here too when a round
                 # failed before the release above (then it says there are none), never left behind.
@@ -85,6 +91,10 @@ def run_kept_kernels(ranks: int, repeat: int) -> None:
     line = (f"  keep   kernel trivial {ranks}-rank cell, median of {repeat}: taas fresh ranks "
             f"{med(times['fresh']):.3f} s | taas kept ranks {med(times['kept']):.3f} s | taas kept ranks "
             f"re-attached (--keep --detach, adopted by a new kernel) {med(times['adopted']):.3f} s")
+    print(f"  keep   the same with the supervisor in the kernel (TAAS_ATTACHED_IN_HOST=0): fresh ranks "
+          f"{med(times['fresh0']):.3f} s | kept ranks {med(times['kept0']):.3f} s; kernel's job host / in the "
+          f"kernel: fresh {med(times['fresh']) / med(times['fresh0']):.3f}, kept "
+          f"{med(times['kept']) / med(times['kept0']):.3f}")
     if times["nbd"]:
         print(f"{line} | nbdistributed {med(times['nbd']):.3f} s (persistent workers)")
         for name in ("kept", "adopted"):
@@ -130,11 +140,10 @@ def run_kept_big(ranks: int, repeat: int, mib: int) -> None:
     import torch
 
     from taas.directive import parse_options
-    from taas.session import Session
 
-    from benchmarks.launching.job import Collect
+    from benchmarks.launching.job import Collect, new_session
 
-    session = Session()
+    session = new_session()
     namespace = {"big": torch.randn(mib << 18)}  # float32: mib MiB; one dict: the notebook's
     plain, big, made, bound = [], [], [], []
     # Rank 0 makes a mib MiB tensor: binds it (it comes back), or drops it (the floor).

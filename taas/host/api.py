@@ -196,7 +196,7 @@ class RunJob:
 @dataclass(frozen=True)
 class KeptCall:
     """kernel -> host, between cells: a question about the kept ranks the host keeps for this
-    kernel (``lost``, ``memory``, ``reserved``), or ``release`` (Show* may come first: the
+    kernel (``memory``, ``reserved``: for ``%taas``), or ``release`` (Show* may come first: the
     layers' merge notes); the host answers :class:`KeptAnswer`."""
 
     call: str
@@ -205,13 +205,6 @@ class KeptCall:
 @dataclass(frozen=True)
 class KeptAnswer:
     value: object = None
-
-
-@dataclass(frozen=True)
-class JobState:
-    """host -> kernel: the job entered ``state`` (a :class:`taas.supervisor.machine.State` value)."""
-
-    state: str
 
 
 @dataclass(frozen=True)
@@ -238,13 +231,15 @@ class JobDone:
     supervisor's outcome, the data plane's figures (``DataPlane.figures``), and the kept
     ranks after a ``--keep`` cell (a dict: job_id, world, cells, gpu_mem; None: there are
     none).  ``failed``: a :class:`CellFailed` follows (the job raised; the outcome is how far
-    it got)."""
+    it got).  ``states``: every state the job entered, told here rather than one frame each
+    (nothing in the kernel reads them while the job runs; each frame would wake it)."""
 
     failed: bool = False
+    states: list = field(default_factory=list)  # the states the job entered, in order (State values)
 
 
 WIRE = {kind.__name__: kind for kind in (Hello, Welcome, Refused, RunCell, Interrupt, Release, Show,
-                                         Metrics, CellDone, CellFailed, Ended, RunJob, JobState, Ask,
+                                         Metrics, CellDone, CellFailed, Ended, RunJob, Ask,
                                          Answer, JobDone, KeptCall, KeptAnswer)}
 SHOWN = frozenset({"write", "progress", "display", "live", "panel"})  # the Sink calls Show may name
 

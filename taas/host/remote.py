@@ -8,10 +8,10 @@ sends the job to the host and replays what the host's supervisor does on the not
 as it happens.
 
     run():  RunJob + the Job (cloudpickle; its shared fds as SCM_RIGHTS) ──> host
-            Show ──> sink.write/progress/display/live/panel      JobState ──> on_state
+            Show ──> sink.write/progress/display/live/panel
             Metrics ──> on_metrics                                Ask ──> sink.ask ──> Answer
             Ctrl-C ──> Interrupt (each one; the host's supervisor decides what it means)
-            JobDone(outcome, loaders' figures) [+ CellFailed] ──> the outcome, or the cell's
+            JobDone(states ──> on_state, outcome, loaders' figures) [+ CellFailed] ──> the outcome, or the cell's
             exception rebuilt as the notebook shows it
 
 A frame is read whole with SIGINT only noted, so an interrupt never cuts the stream.
@@ -36,7 +36,7 @@ from taas.supervisor.kept import Kept
 from taas.host import channel
 from taas.host.adopt import _failure, _noting
 from taas.job import crossing
-from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, JobState, KeptAnswer, KeptCall,
+from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall,
                            Metrics, RunJob, Show)
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,9 @@ class KernelHost:
                               launcher=launcher, kept=kept, limit=limit)
 
     def call(self, what: str, sink=None):
-        """Ask the host about the kept ranks it keeps for this kernel (``lost``, ``memory``,
-        ``reserved``) or ``release`` them; Show frames meanwhile go to ``sink``.  A host that is
-        gone: "lost" says so, the others have nothing to say."""
-        gone = "their host ended (killed?), and they with it" if what == "lost" else None
+        """Ask the host about the kept ranks it keeps for this kernel (``memory``, ``reserved``)
+        or ``release`` them; Show frames meanwhile go to ``sink``.  A host that is gone: None."""
+        gone = None
         sock = self.sock
         if sock is None:
             return gone
@@ -208,11 +207,11 @@ class RemoteSupervisor:
         if isinstance(message, Show):
             if message.call in SHOWN:
                 self._show(message)
-        elif isinstance(message, JobState):
-            self.on_state(State(message.state))
         elif isinstance(message, Metrics):
             self.on_metrics(keys.rank_key(message.rank), [(step, values) for step, values in message.rows])
         elif isinstance(message, JobDone):
+            for state in message.states:
+                self.on_state(State(state))
             self.outcome, figures, kept = pickle.loads(body)
             return message.failed, figures, kept
         return None
@@ -294,7 +293,13 @@ class RemoteHandle:
         self.host = host
 
     def lost(self) -> str | None:
-        return self.host.call("lost")
+        """Their host is gone (so are they); else None.  A rank that ended is found by the
+        host when the next cell is sent (KeptRanksGone: the cell runs on fresh ranks), so a
+        cell costs no round trip to ask."""
+        proc = self.host.proc
+        if self.host.sock is None or proc is None or proc.poll() is not None:
+            return "their host ended (killed?), and they with it"
+        return None
 
     def memory(self) -> dict:
         return self.host.call("memory") or {}

@@ -10,9 +10,9 @@ starts it, views it, interrupts it, takes its results (:mod:`taas.host.remote`).
 
     kernel                                   this host (its reader thread, then the main thread)
     RunJob + Job (cloudpickle) + fds  ──>    Supervisor(launcher, job, WireSink).run()
-                            <── Show*, JobState*, Metrics*, Ask (an input box; Answer back)
+                            <── Show*, Metrics*, Ask (an input box; Answer back)
     Interrupt (Ctrl-C)                ──>    SIGINT to the main thread: the supervisor's interrupt path
-                            <── JobDone(outcome, the loaders' figures) [+ CellFailed]
+                            <── JobDone(states, outcome, the loaders' figures, kept) [+ CellFailed]
 
 The host ends when the kernel does: its end of the socket closes, or the kernel's pid ends
 (a pidfd; a fork of the kernel may hold the socket).  It exits at once; its launcher's guard
@@ -36,7 +36,7 @@ import threading
 import cloudpickle
 
 from taas.host import channel
-from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, JobState, KeptAnswer, KeptCall, RunJob
+from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall, RunJob
 from taas.host.cells import failure_of
 from taas.host.kept import WireSink
 
@@ -73,6 +73,7 @@ class Serving:
         self.answers: queue.Queue = queue.Queue()
         self.busy = False  # a job was sent and has not been answered: an Interrupt is for it
         self.labels: dict[str, str] = {}  # the cells' file names -> how tracebacks name them
+        self.states: list[str] = []  # the running job's states so far (told with JobDone)
         self.kept = None  # the kept ranks this kernel has here (taas.supervisor.kept.Kept), if any
         try:
             self.kernel = os.pidfd_open(kernel_pid)
@@ -134,10 +135,11 @@ class Serving:
             linecache.cache.update(sources)  # the cells' lines, quoted by tracebacks and stacks
             self.labels.update(message.labels)
             job.shared_fds = tuple(fds)  # the same files, in the same order, as this host's fds
+            self.states = []
             while not self.answers.empty():  # answers to a job before this one
                 self.answers.get_nowait()
             sink = AskingSink(self.sock, message.in_place, self.answers)
-            hooks = dict(name_for=self.labels.get, on_state=lambda state: sink.send(JobState(state.value)),
+            hooks = dict(name_for=self.labels.get, on_state=lambda state: self.states.append(state.value),
                          on_metrics=lambda key, rows: sink.send(_metrics(key, rows)))
             if message.keep is None:
                 supervisor = Supervisor(self.launcher, job, sink, **hooks)
@@ -171,7 +173,7 @@ class Serving:
             gpu_mem=dict(self.kept.gpu_mem))
         body = pickle.dumps((outcome, figures, kept), protocol=pickle.HIGHEST_PROTOCOL)
         with _quiet():
-            channel.send(self.sock, JobDone(failed=exc is not None), body)
+            channel.send(self.sock, JobDone(failed=exc is not None, states=self.states), body)
             if exc is not None:
                 failure = failure_of(exc)
                 report = getattr(exc, "report", None)
@@ -188,16 +190,14 @@ class Serving:
                 if kept is not None:  # the layers' merge notes go to the kernel's sink
                     kept.release(AskingSink(self.sock, True, self.answers))
             elif kept is None:
-                value = "their processes ended" if message.call == "lost" else None
-            elif message.call == "lost":
-                value = kept.handle.lost()
+                value = None
             elif message.call == "memory":
                 value = kept.handle.memory()
             elif message.call == "reserved":
                 value = kept.handle.reserved()
         except Exception as exc:  # the kernel asked between cells: it gets what went wrong
             log.debug("kept ranks, %s: %r", message.call, exc)
-            value = f"their host could not tell ({type(exc).__name__}: {exc})" if message.call == "lost" else None
+            value = None
         with _quiet():
             channel.send(self.sock, KeptAnswer(value))
 

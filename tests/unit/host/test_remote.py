@@ -22,7 +22,7 @@ import pytest
 from taas import directive
 from taas.errors import JobFailed
 from taas.host import channel
-from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, JobState, Metrics, RunJob, Show
+from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, Metrics, RunJob, Show
 from taas.host.remote import KernelHost, RemoteSupervisor
 from taas.job.api import Job, Policy, World
 from taas.session import Session
@@ -86,10 +86,10 @@ def _supervised(frames, sink):
 
 def test_the_kernels_side_replays_a_recorded_stream():
     outcome = Outcome(result=b"r", exit_codes={"rank0": 0, "rank1": 0})
-    frames = [(JobState("prefetching"), b""), (Show("write", ["stdout", "[rank0] hi\n"]), b""),
+    frames = [(Show("write", ["stdout", "[rank0] hi\n"]), b""),
               (Metrics(0, [[1, {"loss": 0.5}]]), b""), (Ask("[rank1] name? "), b""),
-              (Show("progress", ["rank0", "stderr", "10%", False]), b""), (JobState("running"), b""),
-              (JobDone(), pickle.dumps((outcome, [], None)))]
+              (Show("progress", ["rank0", "stderr", "10%", False]), b""),
+              (JobDone(states=["prefetching", "running", "succeeded"]), pickle.dumps((outcome, [], None)))]
     sink = _Asking("ada")
     host, remote, states, rows = _supervised(frames, sink)
     assert remote.run() == outcome
@@ -98,7 +98,7 @@ def test_the_kernels_side_replays_a_recorded_stream():
     # the cells' names for tracebacks: this one's and those of the sources sent with it
     assert isinstance(run, RunJob) and run.fds == 0
     assert run.labels == {"<cell 7>": "Cell In[7]", "<cell 5>": "Cell In[5]"}
-    assert states == [State.PREFETCHING, State.RUNNING]
+    assert states == [State.PREFETCHING, State.RUNNING, State.SUCCEEDED]
     assert sink.text() == "[rank0] hi\n" and sink.bars == [("rank0", "10%", False)]
     assert rows == [("rank0", [(1, {"loss": 0.5})])]
     assert sink.asked == [("[rank1] name? ", False)] and host.received[1] == Answer(text="ada")
