@@ -15,8 +15,8 @@ import pytest
 
 from taas.host import channel
 from taas.host.adopt import Adopted, _failure
-from taas.host.api import (SECRET, SOCKET, WIRE, CellDone, CellFailed, Ended, Hello, Interrupt, Metrics, Refused,
-                           Release, RunCell, Show, Welcome)
+from taas.host.api import (SECRET, SOCKET, WIRE, Answer, Ask, CellDone, CellFailed, Ended, Hello, Interrupt, JobDone,
+                           KeptAnswer, KeptCall, Metrics, Refused, Release, RunCell, RunJob, Show, Welcome)
 from taas.host.kept import KeptHost
 from taas.jobs.api import State
 from taas.jobs.store import JobError, Store
@@ -26,7 +26,11 @@ from tests.support.jobs import make_record
 SAMPLES = [Hello("ab" * 32, 42, "train.ipynb"), Welcome("a1b2c3", 2, "cpu", "gloo"), Refused("taas: no"),
            RunCell(False), Interrupt(), Release(), Show("write", ["stdout", "hi\n"]),
            Metrics(1, [[0, {"loss": 1.0}]]), CellDone(), CellFailed("boom", ["line 1", "line 2"], "JobFailed"),
-           Ended("taas: released")]
+           Ended("taas: released"),
+           # the kernel's own job host (taas.host.serve, taas.host.remote)
+           RunJob(2, {"<cell 3>": "Cell In[3]"}, True, math.inf, "a1b2c3"), Ask("[rank1] name? ", True),
+           Answer("ada"), Answer(eof=True), Answer(error="no input box"), JobDone(True, ["running", "failed"]),
+           KeptCall("release"), KeptAnswer({"rank0": 1 << 30})]
 
 
 def test_every_message_kind_has_a_sample():
