@@ -39,6 +39,7 @@ from taas.host import channel
 from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall, RunJob
 from taas.host.cells import failure_of
 from taas.host.kept import WireSink
+from taas.shield import deferred_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +120,18 @@ class Serving:
                 continue
             answered: list = []
             try:
-                self._run(*item, answered=answered)
-            except KeyboardInterrupt:  # an Interrupt that came just before the job ran, or after
-                if not answered:
-                    self._answer(Outcome(), KeyboardInterrupt(), answered)
+                # Python's own handler while the job runs, so that the steps the supervisor and
+                # the launcher shield (taas.shield.deferred_interrupt) are never cut.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                try:
+                    self._run(*item, answered=answered)
+                except KeyboardInterrupt:  # an Interrupt that came just before the job ran
+                    if not answered:
+                        self._answer(Outcome(), KeyboardInterrupt(), answered)
+            except KeyboardInterrupt:  # one that came as the answer went: the job had ended
+                pass
+            finally:
+                signal.signal(signal.SIGINT, self._on_int)
 
     def _run(self, message: RunJob, body: bytes, fds: list[int], answered: list) -> None:
         from taas.supervisor.cell import KeptCell
@@ -165,6 +174,10 @@ class Serving:
         if answered:
             return
         answered.append(True)
+        with deferred_interrupt():  # the answer's frames go whole (a late Interrupt is dropped)
+            self._send_answer(outcome, exc, job)
+
+    def _send_answer(self, outcome, exc: BaseException | None, job) -> None:
         self.busy = False  # before the answer: the kernel's next RunJob may follow at once
         figures = job.data.figures() if job is not None and job.data is not None else []
         kept = None if self.kept is None else dict(

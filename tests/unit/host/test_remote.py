@@ -171,6 +171,16 @@ def test_a_failure_in_the_host_is_the_ranks_traceback_with_the_cells_lines(hoste
 
 
 def test_an_interrupt_stops_the_job_in_the_host(hosted):
+    # A kernel's interrupt is Python's KeyboardInterrupt, whatever an earlier test (a Ray
+    # driver's, say) left as this process's SIGINT handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_a_sleeping_job(hosted)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_sleeping_job(hosted):
     class Started(Recorder):
         def __init__(self):
             super().__init__()
