@@ -183,7 +183,13 @@ class KeptHost:
         try:
             request: Request = pickle.loads(body)
             self.busy = True
-            returned = run_request(self.session, self.namespace, request, sink)
+            # Python's own SIGINT handler while the cell runs: the steps the supervisor and the
+            # launcher shield (taas.shield.deferred_interrupt) are then never cut.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                returned = run_request(self.session, self.namespace, request, sink)
+            finally:
+                signal.signal(signal.SIGINT, self._on_int)
             self.busy = False
             wire.send(CellDone(), pickle.dumps(returned))
         except BaseException as exc:  # what the notebook shows, whatever it was
