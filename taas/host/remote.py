@@ -7,12 +7,17 @@ Supervisor`: a :class:`RemoteSupervisor`, with the same calls (``run()``, ``outc
 sends the job to the host and replays what the host's supervisor does on the notebook's sink,
 as it happens.
 
-    run():  RunJob + the Job (cloudpickle; its shared fds as SCM_RIGHTS) ──> host
+    run():  RunJob + the Job (cloudpickle, code keeping its file names; the cells' sources;
+            its shared fds as SCM_RIGHTS) ──> host
             Show ──> sink.write/progress/display/live/panel
             Metrics ──> on_metrics                                Ask ──> sink.ask ──> Answer
             Ctrl-C ──> Interrupt (each one; the host's supervisor decides what it means)
-            JobDone(states ──> on_state, outcome, loaders' figures) [+ CellFailed] ──> the outcome, or the cell's
-            exception rebuilt as the notebook shows it
+            JobDone(states ──> on_state, outcome, loaders' figures, kept ranks) [+ CellFailed]
+                ──> the outcome, or the cell's exception rebuilt as the notebook shows it
+
+Kept ranks (``--keep``) live in the host too: :class:`RemoteKeptCell` runs a cell on them,
+:class:`RemoteKept` is the kernel's bookkeeping of them (what they hold, their idle limit, the
+results channel) and asks the host the rest between cells (:meth:`KernelHost.call`).
 
 A frame is read whole with SIGINT only noted, so an interrupt never cuts the stream.
 """
@@ -31,13 +36,13 @@ import threading
 import time
 
 from taas.errors import LaunchError, NoStdin, RenderedError
-from taas.job.api import World
-from taas.supervisor.kept import Kept
 from taas.host import channel
 from taas.host.adopt import _failure, _noting
+from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall, Metrics,
+                           RunJob, Show)
 from taas.job import crossing
-from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall,
-                           Metrics, RunJob, Show)
+from taas.job.api import World
+from taas.supervisor.kept import Kept
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +205,7 @@ class RemoteSupervisor:
         """The kept ranks the host has after the job (a one-cell job: nothing to do)."""
 
     def _handle(self, message, body: bytes):
-        """One frame from the host; ``(failed, figures)`` when it says the job ended."""
+        """One frame from the host; ``(failed, figures, kept)`` when it says the job ended."""
         from taas.io import keys
         from taas.supervisor.machine import State
 
