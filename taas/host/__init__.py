@@ -23,8 +23,9 @@ A kernel's attached jobs run in a host too, its own (serve.py; remote.py is the 
 each prepared Job, sending every Sink call back as it happens.
 
 May import: taas.session (the host runs a Session), taas.cellrun (the cell read as an attached
-cell's is), taas.jobs, taas.job, taas.io, taas.data,
-taas.directive, taas.workdir, taas.errors, and taas.supervisor (kept ranks' value fingerprints,
-so that an adopting kernel sends only what their host lacks; the Supervisor, which the kernel's
-own host runs), taas.wiring (the launcher the kernel's own host runs jobs on).
+cell's is), taas.jobs, taas.job, taas.io, taas.data, taas.directive, taas.workdir, taas.errors,
+taas.supervisor (kept ranks' value fingerprints, so that an adopting kernel sends only what
+their host lacks; the Supervisor, which the kernel's own host runs), taas.wiring (the launcher
+the kernel's own host runs jobs on), and taas.shield (its answers sent whole, never cut by an
+interrupt).
 """

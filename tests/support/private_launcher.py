@@ -223,6 +223,10 @@ class PrivateJob(JobHandle):
         if why is not None:
             raise KeptRanksGone(why)
         ranks = [proc.key for proc in self.spec.processes if proc.rank is not None]
+        for key in ranks:  # as the local launcher does: a rank gone (its exit maybe not reported
+            exc = cells.unreachable(self.roots[key], [key])  # yet) before anything is sent
+            if exc is not None:
+                raise KeptRanksGone(f"{key} cannot be reached ({exc.strerror})")
         try:
             for key in ranks:  # every root first: no rank gets a cell whose files another lacks
                 root = self.roots[key]
