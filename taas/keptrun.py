@@ -8,8 +8,8 @@ No IPython here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 import time
+from typing import Any
 
 from taas import cellrun, directive
 from taas.errors import JobFailed

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from taas.errors import LaunchError, NoStdin, RenderedError
+from taas.errors import LaunchError, RenderedError
 from taas.host import channel
 from taas.host.adopt import _failure, _noting
 from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall, Metrics,
@@ -176,14 +176,14 @@ class RemoteSupervisor:
             try:
                 select.select([sock], [], [])  # nothing read yet: an interrupt may land here
             except KeyboardInterrupt:
-                self._interrupt(sock)
+                self._interrupt()
                 continue
             noted: list = []
             with _noting(noted):  # a frame read and handled whole, or the stream loses its place
                 message, body = self._next(sock)
                 done = None if isinstance(message, Ask) else self._handle(message, body)
             if noted:
-                self._interrupt(sock)
+                self._interrupt()
             if isinstance(message, Ask):  # the input box waits for the user: Ctrl-C must reach it
                 self._ask(message)
             if done is not None:
@@ -228,20 +228,12 @@ class RemoteSupervisor:
             log.debug("%s(...) not shown: %r", message.call, exc)
 
     def _ask(self, message: Ask) -> None:
-        prompt = getattr(self.sink, "ask", None)
+        from taas.supervisor.prompts import read_line
+
         try:
-            if prompt is None:
-                raise NoStdin("this job has no input box to read from: input() and pdb in a rank need "
-                              "an interactive notebook")
-            answer = Answer(text=prompt(message.prompt, message.password))
-        except EOFError:
-            answer = Answer(eof=True)
-        except NoStdin as exc:
-            answer = Answer(error=str(exc))
-        except OSError as exc:
-            answer = Answer(error=f"stdin cannot be read here: {exc}")
+            answer = Answer(**read_line(self.sink, message.prompt, message.password))
         except KeyboardInterrupt:  # at the input box: the job's interrupt (the host's wait for the
-            self._interrupt(self.host.sock)  # answer ends with it, as ``ask`` raising does here)
+            self._interrupt()      # answer ends with it, as ``ask`` raising does here)
             return
         self._send(answer)
 
@@ -251,7 +243,7 @@ class RemoteSupervisor:
         except OSError:
             self._gone()
 
-    def _interrupt(self, sock) -> None:
+    def _interrupt(self) -> None:
         self._send(Interrupt())
 
     def _next(self, sock):

@@ -160,7 +160,7 @@ class Serving:
                     supervisor.run()
                 finally:
                     self.kept = supervisor.kept
-            self._answer(supervisor.outcome if supervisor else Outcome(), None, answered, job)
+            self._answer(supervisor.outcome, None, answered, job)
         except BaseException as exc:  # what the notebook shows, whatever it was
             self._answer(supervisor.outcome if supervisor else Outcome(), exc, answered, job)
         finally:
@@ -202,15 +202,12 @@ class Serving:
                 self.kept = None
                 if kept is not None:  # the layers' merge notes go to the kernel's sink
                     kept.release(AskingSink(self.sock, True, self.answers))
-            elif kept is None:
-                value = None
-            elif message.call == "memory":
+            elif kept is not None and message.call == "memory":
                 value = kept.handle.memory()
-            elif message.call == "reserved":
+            elif kept is not None and message.call == "reserved":
                 value = kept.handle.reserved()
         except Exception as exc:  # the kernel asked between cells: it gets what went wrong
             log.debug("kept ranks, %s: %r", message.call, exc)
-            value = None
         with _quiet():
             channel.send(self.sock, KeptAnswer(value))
 

@@ -90,15 +90,22 @@ class Prompts:
                 log.debug("%s asked but cannot be answered (it ended?)", key)
 
     def _ask(self, ask: Ask) -> Answer:
-        prompt = getattr(self.sink, "ask", None)
-        if prompt is None:
-            return Answer(ask.id, error="this job has no input box to read from: input() and pdb "
-                                        "in a rank need an interactive notebook")
-        try:
-            return Answer(ask.id, text=prompt(ask.prompt, ask.password))
-        except EOFError:
-            return Answer(ask.id, eof=True)
-        except NoStdin as exc:
-            return Answer(ask.id, error=str(exc))
-        except OSError as exc:  # a terminal's stdin that cannot be read (closed, captured)
-            return Answer(ask.id, error=f"stdin cannot be read here: {exc}")
+        return Answer(ask.id, **read_line(self.sink, ask.prompt, ask.password))
+
+
+def read_line(sink, prompt: str, password: bool = False) -> dict:
+    """The user's answer to ``prompt`` through ``sink.ask``, as an Answer's fields: ``text``,
+    or ``eof``, or ``error`` (one line: why no line can be read).  KeyboardInterrupt propagates.
+    Also what the kernel answers its job host with (taas.host.remote)."""
+    ask = getattr(sink, "ask", None)
+    if ask is None:
+        return {"error": "this job has no input box to read from: input() and pdb in a rank need an "
+                         "interactive notebook"}
+    try:
+        return {"text": ask(prompt, password)}
+    except EOFError:
+        return {"eof": True}
+    except NoStdin as exc:
+        return {"error": str(exc)}
+    except OSError as exc:  # a terminal's stdin that cannot be read (closed, captured)
+        return {"error": f"stdin cannot be read here: {exc}"}
