@@ -188,7 +188,9 @@ class Store:
         """Whether no host holds ``job_id``'s lock, holding it meanwhile if so (then no host can
         start or write the record until the block ends)."""
         try:
-            fd = os.open(self.folder(job_id) / api.LOCK, os.O_RDWR | os.O_CLOEXEC)
+            # Read-only: a viewer that follows the job (jobs/watch.py) looks at the lock at each
+            # change, and closing a file opened for writing is itself a change it would wake for.
+            fd = os.open(self.folder(job_id) / api.LOCK, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             yield True
             return

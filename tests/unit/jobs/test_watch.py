@@ -4,7 +4,9 @@ import os
 import threading
 
 from taas.jobs import api
+from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogWriter
+from taas.jobs.store import Store, hold_lock
 from taas.jobs.watch import Changes
 
 
@@ -35,6 +37,22 @@ def test_a_record_replaced_and_a_log_line_wake_the_viewer(tmp_path):
         _later(lambda: writer.append({"op": "w", "s": "stdout", "x": "hi\n"})).join()
         assert changes.wait(60) is True
     writer.close()
+
+
+def test_a_viewer_looking_at_a_running_job_does_not_wake_itself(tmp_path):
+    """Reading the record (which looks at the host's lock) is no change: a viewer that woke for
+    its own look would spin a core for the whole job."""
+    store = Store(tmp_path / "jobs")
+    record = JobRecord(id="a1b2c3", state=State.RUNNING, ranks=2, where="here", started=1.0)
+    folder = store.create(record)
+    lock = hold_lock(folder)  # the host's
+    try:
+        with Changes(folder) as changes:
+            for _ in range(3):
+                assert store.read(record.id).state is State.RUNNING
+                assert changes.wait(0.05) is False
+    finally:
+        os.close(lock)
 
 
 def test_a_log_folder_made_after_the_watch_is_watched_too(tmp_path):
