@@ -109,8 +109,11 @@ class Session(KeptRanks):
 
     @staticmethod
     def preload_for_fork() -> None:
-        """Import what this machine's start process imports, without initialising CUDA: a job
-        host forked from this process (taas.host.zygote) then forks its start process warm."""
+        """Import what this machine's start process imports, without initialising CUDA, and
+        what a job's preparation imports (the data plane, planned for every job): a job host
+        forked from this process (taas.host.zygote) then prepares its job and forks its start
+        process warm."""
+        import taas.data.plane  # noqa: F401  (what _data_plane imports at the first job)
         from taas.launch.local import forkstart
 
         forkstart.preload()
