@@ -35,6 +35,7 @@ class TaasMagics(Magics):
         from taas.host.spares import Hosts
 
         self.hosts = Hosts()  # a warm job host for the next --detach (none started yet)
+        self.cluster_spares = None  # the same on a Ray cluster, after a first --detach there
         if os.environ.get("TAAS_ATTACHED_IN_HOST", "1") != "0":
             from taas.host.remote import KernelHost
 
@@ -56,6 +57,8 @@ class TaasMagics(Magics):
         """``%unload_ext``: let the warm job host go (a host with a job goes on), and adopted kept
         ranks (they wait for the next kernel, until their idle limit)."""
         self.hosts.close()
+        if self.cluster_spares is not None:
+            self.cluster_spares.close()
         self._let_go()
 
     def _let_go(self) -> None:
@@ -150,9 +153,12 @@ class TaasMagics(Magics):
             else:  # a detached actor on the cluster hosts it (taas.host.ray)
                 from taas.host.ray import client as cluster_jobs
 
+                from taas.host.ray.spares import ClusterSpares
+
+                self.cluster_spares = self.cluster_spares or ClusterSpares()
                 record = cluster_jobs.start(launcher, store, request, ranks=options.gpus or 0, notebook=notebook,
                                             sink=sink or TerminalSink(), hashed=whole, workdir=self.session.workdir,
-                                            workdir_limit=self.session.workdir_limit)
+                                            workdir_limit=self.session.workdir_limit, spares=self.cluster_spares)
         except (*_BEFORE_LAUNCH, client.JobError) as exc:
             raise UsageError(str(exc)) from None
         cluster = f"--cluster {launcher.address} " if launcher is not None else ""
@@ -310,6 +316,8 @@ class TaasMagics(Magics):
         try:
             if words and words[0] == "cluster":
                 address, settings = _cluster_words(words[1:])
+                if self.cluster_spares is not None:  # made for the cluster being left
+                    self.cluster_spares.close()
                 print("\n".join(self.session.use_cluster(address, **settings)))
                 return
             if words and words[0] == "debug":  # %taas debug [RANK] on kept ranks

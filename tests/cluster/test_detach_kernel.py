@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
-from tests.support.cluster_helpers import connected_kernel, job_processes, named, placement_groups_left
+from tests.support.cluster_helpers import connected_kernel, inner_pid, job_processes, named, placement_groups_left
 from tests.support.kernel_driver import cmdline, one_line_usage_error, plain, wait_for, wait_until_gone
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
@@ -43,6 +43,17 @@ def _detached(run) -> str:
 def _hosts(ray_cluster) -> list:
     """The JobHost actors' worker processes (Ray names the actor class in their argv)."""
     return [p for p in ray_cluster.processes() if "JobHost" in " ".join(cmdline(p))]
+
+
+def _host_of(kernel, job: str) -> tuple[int, str]:
+    """The pid and actor name of job ``job``'s host, as its record in the cluster's KV says."""
+    run = kernel.run(
+        "from taas.host.ray.client import host_name as _host_name\n"
+        "_store, _ = get_ipython().magics_manager.registry['TaasMagics']._records()\n"
+        f"print(_store.read({job!r}).host_pid, _host_name(_store, {job!r}))")
+    assert run.error is None, run.traceback
+    pid, name = run.stdout.split()
+    return int(pid), name
 
 
 def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_lands_it(
@@ -80,7 +91,9 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_
     # The output again, then one line: the results landed once.
     assert again.status == "error" and f"UsageError: taas: job {job}'s results were already taken" in again.stderr
     assert wait_until_gone(ranks, timeout=30) == []
-    wait_for(lambda: not _hosts(ray_cluster), timeout=30, what="the job host ending with its job")
+    # Its host ended with its job, and the spare host the first kernel made after detaching
+    # (for its next detached cell) ended by itself once that kernel was gone.
+    wait_for(lambda: not _hosts(ray_cluster), timeout=120, what="the job host and the dead kernel's spare ending")
     forgot = kernel.run(f"%taas forget {job}")
     assert f"job {job} forgotten" in forgot.stdout, forgot.traceback
 
@@ -101,8 +114,12 @@ def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel,
     job = _detached(kernel.run(forever.replace("--detach", "--detach --fresh")))
     wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
     ranks = [p.pid for p in job_processes(ray_cluster)]
-    hosts = _hosts(ray_cluster)
-    assert len(hosts) == 1, [cmdline(p) for p in hosts]
+    # The second job went to the spare host the kernel made after the first (warm: its imports
+    # and agents ready); the record names it, and its pid (inside the cluster) is the one to kill.
+    pid, host = _host_of(kernel, job)
+    assert host.startswith("taas-spare-"), host
+    hosts = [p for p in _hosts(ray_cluster) if inner_pid(p.pid) == pid]
+    assert len(hosts) == 1, [(p.pid, inner_pid(p.pid)) for p in _hosts(ray_cluster)]
     hosts[0].send_signal(signal.SIGKILL)
     assert wait_until_gone(ranks, timeout=5) == [], [cmdline(p) for p in job_processes(ray_cluster)]
     listed = kernel.run("%taas jobs")
@@ -118,3 +135,7 @@ def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel,
         terminal.stdout
     for ended in (first, job):  # the records go: nothing of this module is left in the cluster's KV
         assert f"job {ended} forgotten" in kernel.run(f"%taas forget {ended}").stdout
+    # The spare made after the second job goes when the kernel lets it go (%unload_ext).
+    assert kernel.run("%unload_ext taas").error is None
+    wait_for(lambda: not _hosts(ray_cluster), timeout=60, what="the kernel's spare host let go")
+    assert kernel.run("%load_ext taas").error is None

@@ -84,16 +84,17 @@ def agents_of(kernel, ray_cluster) -> list[int]:
     run = kernel.run("import taas\n"
                      "print(sorted(i['pid'] for i in taas._loaded['session']._cluster_launcher._info.values()))")
     inner = set(eval(run.stdout.strip()))
-    found = []
-    for pid in agents(ray_cluster):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                nspid = next(line.split()[-1] for line in f if line.startswith("NSpid:"))
-        except (OSError, StopIteration):  # gone meanwhile
-            continue
-        if int(nspid) in inner:
-            found.append(pid)
-    return found
+    return [pid for pid in agents(ray_cluster) if inner_pid(pid) in inner]
+
+
+def inner_pid(pid: int) -> int | None:
+    """The pid that process ``pid`` (as seen here) has inside the cluster's PID namespace, as
+    processes there report it (/proc/PID/status's NSpid line); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line.split()[-1] for line in f if line.startswith("NSpid:")))
+    except (OSError, StopIteration, ValueError):  # gone meanwhile
+        return None
 
 
 def placement_groups_left(ray_cluster, wait: float = 30.0) -> str:

@@ -14,6 +14,9 @@ it and a new kernel connected to the same cluster lists it, attaches to it and t
         Follower reads it through log_reader)
       %taas cancel: the actor's cancel(secret) ──>   the cell interrupted: every process stopped
 
+After a detached cell the kernel has the next host made ahead (spares.py): a JobHost with no job
+yet, warm (its Session, the GPU nodes' agents), ending itself if the kernel goes first.
+
 Ownership: the node agents are actors the host creates, so Ray ends them, and their ranks and
 loader workers with them, when the host actor dies (ray.kill, its worker SIGKILLed, its node
 lost); a record still saying running whose actor is gone reads ``lost`` with why.

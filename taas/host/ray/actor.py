@@ -6,6 +6,12 @@ kernel's place: a :class:`~taas.session.Session` of its own on the Ray launcher 
 workers -- are actors and processes this actor created and owns.  Its output, view, metrics,
 results and record go to the cluster's KV (:class:`~taas.host.ray.store.RayStore`).
 
+A host may be made ahead of need, as a kernel's warm spare (taas.host.ray.spares): made with
+no job id, it imports what a job imports and starts the agents of the cluster's GPU nodes; until
+``start`` gives it a job it watches the kernel that made it (that kernel's Ray job), and ends
+itself, agents and all, when that kernel is gone.  Both begin with its creation, which the
+cluster carries out even if the kernel dies first (a method call would die with the kernel).
+
 Ray ends what an actor owns when the actor dies, so the agents are told their owner is this
 actor, not the kernel's Ray job (which ends with the kernel: ``owned_by_host``).  ``cancel``
 proves the job's secret, then interrupts the cell as a kernel's interrupt would; past
@@ -27,11 +33,13 @@ from taas.host.ray import keys
 log = logging.getLogger(__name__)
 
 CANCEL_GRACE = 3.0  # the cell's interrupt path stops every process within this, or the actor ends
+WATCH_EVERY = 1.0  # seconds between a spare's looks at whether the kernel that made it is there
 
 
 class JobHost:
     def __init__(self, owner: str, job_id: str, address: str, workdir: str = "auto",
                  workdir_limit: int | None = None):
+        """``job_id`` "": a spare, given its job by :meth:`start`."""
         from taas.host.ray.store import RayKV, RayStore
 
         self.owner, self.job_id, self.address = owner, job_id, address
@@ -39,13 +47,57 @@ class JobHost:
         self.store = RayStore(RayKV(), where=address, owner=owner)
         self._thread: threading.Thread | None = None
         self._ended = threading.Event()
+        self._taken = threading.Event()  # a job was given: no longer a spare
         self._lock = threading.Lock()
+        self._warming = threading.Lock()  # held while the Session is made and warmed
+        self._session = None
         self._cancelled = False
+        if not job_id:  # a spare: from its creation on, not from a call its kernel may never make
+            threading.Thread(target=self._warm, name="taas-spare-warm", daemon=True).start()
+            threading.Thread(target=self._watch_kernel, name="taas-spare-watch", daemon=True).start()
 
-    def start(self, request: bytes) -> int:
-        """Run the job (``request``: a pickled taas.host.api.Request) in a thread; this actor's pid."""
+    def _warm(self) -> None:
+        """A spare's: what a job needs made ready (the Session, its imports, the GPU nodes'
+        agents), unless a job came first (it makes what it needs itself)."""
+        with self._warming:
+            if self._taken.is_set():
+                return
+            session = self._made()
+            try:
+                session.launcher_for(self.address).cuda_devices()  # the GPU nodes' agents, started
+                import taas.host.main  # noqa: F401  (run_job and what it imports)
+            except Exception as exc:  # broad: the job, if one comes, meets it and says it
+                log.debug("warming: %r", exc)
+
+    def _made(self):
+        """The Session the job runs on (made once)."""
+        if self._session is None:
+            from taas.launch.ray.cluster import owned_by_host
+            from taas.session import Session
+
+            session = Session()
+            session.cluster, session.workdir, session.workdir_limit = self.address, self.workdir, self.workdir_limit
+            session.launcher_for(self.address).cluster.owner_gone = owned_by_host
+            self._session = session
+        return self._session
+
+    def _watch_kernel(self) -> None:
+        """A spare ends itself (and the agents it started) once the kernel that made it is gone."""
+        from taas.launch.ray.cluster import kernel_gone
+
+        while not self._taken.wait(WATCH_EVERY):
+            if kernel_gone():
+                log.debug("spare: the kernel that made it is gone")
+                _end_self()
+
+    def start(self, request: bytes, job_id: str | None = None) -> int:
+        """Run the job (``request``: a pickled taas.host.api.Request; ``job_id``: a spare's job)
+        in a thread; this actor's pid."""
         with self._lock:
             if self._thread is None and not self._cancelled:
+                if job_id:
+                    self.job_id = job_id
+                self._taken.set()
                 self._thread = threading.Thread(target=self._job, args=(request,), name="taas-job",
                                                 daemon=True)
                 self._thread.start()
@@ -58,18 +110,15 @@ class JobHost:
         from taas.host.sink import RecordSink
         from taas.jobs import api as records
         from taas.jobs.api import State
-        from taas.launch.ray.cluster import owned_by_host
-        from taas.session import Session
 
         store, job_id = self.store, self.job_id
         record = store.read(job_id)
         me = psutil.Process()
         record = record.replace(host_pid=me.pid, host_started=me.create_time())
         store.write(record)
-        session = Session()
-        session.cluster, session.workdir, session.workdir_limit = self.address, self.workdir, self.workdir_limit
+        with self._warming:  # a spare still warming: the job waits for what it warms
+            session = self._made()
         session.job_name = job_id
-        session.launcher_for(self.address).cluster.owner_gone = owned_by_host
         out = store.log_writer(job_id, records.OUT)
         sink = RecordSink(None, out, store.log_writer(job_id, records.METRICS),
                           save_view=lambda view: store.save_view(job_id, view))
@@ -97,6 +146,8 @@ class JobHost:
 
     def cancel(self, token: str) -> str:
         """Stop the job (``token``: its secret): the cell interrupted; what the record says then."""
+        if not self.job_id:  # a spare given no job yet: no secret to prove
+            return "refused: no job here"
         secret = (self.store.get(self.job_id, keys.SECRET) or b"").decode()
         if not secret or not hmac.compare_digest(secret, token):
             return "refused: wrong secret"

@@ -4,7 +4,6 @@ own (``client.follow``, ``client.raise_failure``) on a :class:`RayStore`."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import secrets
 import time
@@ -13,6 +12,7 @@ from taas.errors import LaunchError
 from taas.host import client
 from taas.host.api import Request, Returned
 from taas.host.ray import keys
+from taas.host.ray.spares import ClusterSpares, new_host
 from taas.host.ray.store import RayKV, RayStore
 from taas.jobs.api import JobRecord, State
 from taas.jobs.store import JobError, new_id
@@ -35,30 +35,35 @@ def store_for(launcher) -> RayStore:
 
     def alive(job_id: str) -> bool | None:
         try:
-            ray.get_actor(keys.actor_name(who, job_id), namespace=keys.NAMESPACE)
+            ray.get_actor(host_name(store, job_id), namespace=keys.NAMESPACE)
             return True
         except ValueError:  # no such actor: it died (or never started)
             return False
         except Exception:  # broad: the GCS did not answer; cannot tell
             return None
 
-    return RayStore(RayKV(), where=launcher.address, owner=who, alive=alive)
+    store = RayStore(RayKV(), where=launcher.address, owner=who, alive=alive)
+    return store
+
+
+def host_name(store: RayStore, job_id: str) -> str:
+    """The name of the actor that hosts ``job_id``: a kernel's spare that took it, or its own."""
+    return (store.get(job_id, keys.HOST) or b"").decode() or keys.actor_name(store.owner, job_id)
 
 
 def _actor(ray, store: RayStore, job_id: str):
     try:
-        return ray.get_actor(keys.actor_name(store.owner, job_id), namespace=keys.NAMESPACE)
+        return ray.get_actor(host_name(store, job_id), namespace=keys.NAMESPACE)
     except ValueError:
         return None
 
 
 def start(launcher, store: RayStore, request: Request, *, ranks: int, notebook: str, sink,
-          hashed: str, workdir: str = "auto", workdir_limit: int | None = None) -> JobRecord:
-    """``request`` under a detached JobHost actor on ``launcher``'s cluster; its output shown
-    until the ranks run; its record then.  An interrupt meanwhile cancels it."""
-    from taas.host.ray.actor import JobHost
-    from taas.launch.ray.cluster import _taas_root
-
+          hashed: str, workdir: str = "auto", workdir_limit: int | None = None,
+          spares: ClusterSpares | None = None) -> JobRecord:
+    """``request`` under a detached JobHost actor on ``launcher``'s cluster (``spares``' warm
+    one, else a new one); its output shown until the ranks run; its record then (and the
+    next spare on its way).  An interrupt meanwhile cancels it."""
     ray = launcher.connect()
     taken = set(store.ids())
     job_id = new_id()
@@ -69,15 +74,17 @@ def start(launcher, store: RayStore, request: Request, *, ranks: int, notebook: 
                        first_line=client.first_code_line(request.text or request.source),
                        source_hash=client.source_hash(hashed), cwd=request.cwd)
     store.put(job_id, keys.SECRET, secrets.token_hex(32).encode())
+    spare = spares.take(launcher, workdir, workdir_limit) if spares is not None else None
+    if spare is not None:  # the record names the host before it can be listed
+        store.put(job_id, keys.HOST, spare.name.encode())
     store.create(record)
-    env = {name: value for name, value in os.environ.items() if name.startswith("TAAS_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_taas_root(), os.environ.get("PYTHONPATH")]))
     try:
-        host = ray.remote(JobHost).options(
-            name=keys.actor_name(store.owner, job_id), namespace=keys.NAMESPACE, lifetime="detached",
-            num_cpus=0, max_concurrency=4, max_restarts=0, runtime_env={"env_vars": env},
-        ).remote(store.owner, job_id, launcher.address, workdir, workdir_limit)
-        host.start.remote(pickle.dumps(request))
+        if spare is not None:
+            host = spare.handle
+        else:
+            host = new_host(ray, store.owner, keys.actor_name(store.owner, job_id), job_id, launcher.address,
+                            workdir, workdir_limit)
+        host.start.remote(pickle.dumps(request), job_id)
     except Exception as exc:  # broad: any Ray error means no host
         store.write(record.replace(state=State.FAILED, ended=time.time(), cause=f"no job host: {exc}"))
         raise LaunchError(f"taas: could not start a job host for job {job_id} on the cluster: {exc}") from None
@@ -93,6 +100,8 @@ def start(launcher, store: RayStore, request: Request, *, ranks: int, notebook: 
     except KeyboardInterrupt:
         cancel(launcher, store, job_id)
         raise
+    if spares is not None:  # the next detached cell's host, made while this job runs
+        spares.prewarm(launcher, workdir, workdir_limit)
     if record.state is State.WAITING:
         cancel(launcher, store, job_id)
         raise LaunchError(f"taas: the job host of job {job_id} did not start within {STARTED:.0f} s")

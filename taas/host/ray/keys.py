@@ -4,7 +4,8 @@ Every key of a job is ``jobs/<owner>/<id>/<part>`` in the KV namespace :data:`NA
 ``owner`` is ``<user>.<uid>`` of the OS user who started it: ``%taas jobs`` lists only the
 caller's own prefix, and an id is looked up only there, so another user's jobs are never listed,
 read, attached to or cancelled by these calls.  The job host is the actor
-``taas-job-<owner>-<id>`` in the same Ray namespace.
+``taas-job-<owner>-<id>`` in the same Ray namespace, or a kernel's warm spare
+``taas-spare-<owner>-<token>`` that took the job: the job's ``host`` part names it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ NAMESPACE = "taas"
 RECORD = "record"
 VIEW = "view"
 SECRET = "secret"  # the per-job token the host's cancel() checks
+HOST = "host"  # the name of the actor that hosts the job (absent: actor_name(owner, id))
 _OWNER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ID = re.compile(r"^[0-9a-f]{6,32}$")
 
@@ -57,6 +59,13 @@ def split(who: str, name: str) -> tuple[str, str] | None:
 
 def actor_name(who: str, job_id: str) -> str:
     return f"taas-job-{who}-{job_id}"
+
+
+def spare_name(who: str, token: str) -> str:
+    """A warm job host a kernel keeps ready for its next detached cell (taas.host.ray.spares)."""
+    if not _OWNER.match(who) or not _ID.match(token):
+        raise ValueError(f"not a spare: {who!r}, {token!r}")
+    return f"taas-spare-{who}-{token}"
 
 
 def chunk(part: str, seq: int, nbytes: int) -> str:

@@ -18,32 +18,10 @@ from taas.host.sink import RecordSink
 from taas.jobs import api, listing
 from taas.jobs.api import JobRecord, State
 from taas.jobs.store import JobError
+from tests.support.kv import DictKV
 from tests.support.sinks import Recorder
 
 ME, OTHER = "ann.1000", "bob.1001"
-
-
-class DictKV:
-    """The cluster's key-value store as internal_kv behaves: keys listed by prefix, a delete
-    says how many keys it removed."""
-
-    def __init__(self):
-        self.data: dict[str, bytes] = {}
-
-    def get(self, name):
-        return self.data.get(name)
-
-    def put(self, name, value):
-        self.data[name] = bytes(value)
-
-    def delete(self, name, by_prefix=False):
-        gone = [k for k in self.data if (k.startswith(name) if by_prefix else k == name)]
-        for k in gone:
-            del self.data[k]
-        return len(gone)
-
-    def keys(self, prefix):
-        return [k for k in self.data if k.startswith(prefix)]
 
 
 def record(job_id="a1b2c3", state=State.RUNNING, **kw):
