@@ -73,6 +73,11 @@ class ClusterSpares:
         if spare.settings != settings(launcher.address, workdir, workdir_limit):
             self._kill(spare)
             return None
+        try:  # ended meanwhile (it took its kernel for gone, it crashed): a new host instead
+            self._ray.get_actor(spare.name, namespace=keys.NAMESPACE)
+        except Exception as exc:  # broad: ValueError for no such actor; any other: cannot tell
+            log.debug("the spare is gone: %r", exc)
+            return None
         return spare
 
     def prewarm(self, launcher, workdir: str, workdir_limit: int | None) -> None:

@@ -56,6 +56,12 @@ class FakeRay:
     def kill(self, actor):
         self.killed.append(actor)
 
+    def get_actor(self, name, namespace):
+        found = [a for a in self.made if a.options["name"] == name and a not in self.killed]
+        if namespace != keys.NAMESPACE or not found:
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+        return found[0]
+
 
 class Launcher:
     def __init__(self, ray, address="10.0.0.1:6379"):
@@ -99,6 +105,14 @@ def test_a_spare_made_for_other_settings_is_let_go_and_not_taken(monkeypatch, ch
         monkeypatch.setenv("TAAS_LOG_CAP", "1000")  # the host would run with other TAAS_* settings
     assert spares.take(launcher, workdir, None) is None
     assert ray.killed == ray.made
+
+
+def test_a_spare_that_ended_meanwhile_is_not_taken():
+    ray = FakeRay()
+    spares = ClusterSpares()
+    spares.prewarm(Launcher(ray), "auto", None)
+    ray.killed.append(ray.made[0])  # it ended by itself (its kernel watch, a crash)
+    assert spares.take(Launcher(ray), "auto", None) is None
 
 
 def test_close_lets_the_spare_go_and_a_failing_cluster_means_no_spare():
