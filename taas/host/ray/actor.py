@@ -87,6 +87,10 @@ class JobHost:
 
         while not self._taken.wait(WATCH_EVERY):
             if kernel_gone():
+                with self._lock:  # a job given meanwhile is run; none is taken from now on
+                    if self._taken.is_set():
+                        return
+                    self._cancelled = True
                 log.debug("spare: the kernel that made it is gone")
                 _end_self()
 
