@@ -42,7 +42,7 @@ def store_for(launcher) -> RayStore:
         except Exception:  # broad: the GCS did not answer; cannot tell
             return None
 
-    store = RayStore(RayKV(), where=launcher.address, owner=who, alive=alive)
+    store = RayStore(RayKV(), where=launcher.address, owner=who, alive=alive)  # alive() reads its host key
     return store
 
 

@@ -3,8 +3,9 @@
 A detached cell's host is a Ray actor that imports torch and starts node agents of its own
 (seconds, and many of them on a busy cluster); the cell waited for all of it.  After a
 detached cell, the kernel has the next host made ahead: a detached :class:`JobHost` actor named
-``taas-spare-<owner>-<token>``, warming itself from its creation on (taas.host.ray.actor).  The next detached cell
-hands its job to it (the job's ``host`` key names it, for ``%taas jobs``, attach and cancel).
+``taas-spare-<owner>-<token>``, warming itself from its creation on (taas.host.ray.actor).  The
+next detached cell hands its job to it (the job's ``host`` key names it, for ``%taas jobs``,
+attach and cancel).
 
 A spare is made for the session's settings of that moment (cluster address, working-directory
 rule, ``TAAS_*`` variables): a cell with others gets a fresh host, and the spare is let go.  A
@@ -32,9 +33,8 @@ class Spare:
 
 
 def settings(address: str, workdir: str, workdir_limit: int | None) -> tuple:
-    """What a host is made for: the job must match it to take it."""
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("TAAS_")))
-    return (address, workdir, workdir_limit, env)
+    """What a host is made for (its environment included): the job must match it to take it."""
+    return (address, workdir, workdir_limit, tuple(sorted(host_env().items())))
 
 
 def host_env() -> dict:
