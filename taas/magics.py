@@ -152,7 +152,6 @@ class TaasMagics(Magics):
                                       hashed=whole)
             else:  # a detached actor on the cluster hosts it (taas.host.ray)
                 from taas.host.ray import client as cluster_jobs
-
                 from taas.host.ray.spares import ClusterSpares
 
                 self.cluster_spares = self.cluster_spares or ClusterSpares()
