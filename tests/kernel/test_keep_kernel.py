@@ -108,7 +108,6 @@ def test_a_rank_that_dies_loses_the_state_in_one_line(kernel, clean):
     pids = _rank_pids(kernel)
     os.kill(pids[-1], signal.SIGKILL)
     wait_for(lambda: not is_alive(pids[-1]), timeout=10, what="the rank gone")
-    time.sleep(0.5)
     run = ok(kernel.run("%%taas --gpus 2\n'kept' in dir()"))
     assert run.result == "False"
     lines = [line for line in run.stderr.splitlines() if "released the kept ranks" in line]

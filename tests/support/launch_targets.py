@@ -99,3 +99,17 @@ def show_gpus_then_hang(spec):
           len([fd for fd in os.environ.get("TAAS_SHARED_FDS", "").split(",") if fd]), flush=True)
     while True:
         time.sleep(1)
+
+
+def kept_rank_whose_main_thread_ends(spec):
+    """A kept rank caught as it dies: its FIFO open for reading (cells.Inbox) and held by
+    another thread, while its main thread has ended (what a SIGKILLed many-threaded rank
+    looks like for a moment: a zombie leader whose other threads still hold its files)."""
+    import threading
+
+    from taas.launch.process import cells
+
+    inbox = cells.Inbox(os.environ["TAAS_JOB_DIR"], spec.key)
+    threading.Thread(target=lambda: (time.sleep(600), os.close(inbox.fd))).start()
+    print("up", flush=True)
+    ctypes.CDLL(None).pthread_exit(None)

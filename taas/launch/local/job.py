@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 
+import psutil
+
 from taas.errors import KeptRanksGone, LaunchError
 from taas.launch.api import Event, JobHandle, OutputChunk, ProcessExit
 from taas.launch.local import jobdir, protocol
@@ -218,7 +220,7 @@ class LocalJob(JobHandle):
 
     # -- kept ranks (taas.launch.api: next_cell, interrupt) ----------------------------------
     def lost(self) -> str | None:
-        why = self._ended()
+        why = self._ended() or self._ending()
         if why is not None:
             return why
         # A rank gone a moment ago is unreachable before the start process reports its exit.
@@ -237,6 +239,21 @@ class LocalJob(JobHandle):
             return "the job's processes were stopped"
         return None
 
+    def _ending(self) -> str | None:
+        """A kept rank whose process is ending: its main thread has ended (a zombie leader),
+        though its other threads may still be exiting and holding its FIFO open, and the start
+        process has not reaped it yet.  It will run no cell; None when there is none."""
+        for key in self._kept_ranks():
+            if key in self._exited:
+                continue
+            try:
+                ending = psutil.Process(self._pids[key]).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+            except psutil.NoSuchProcess:
+                ending = True
+            if ending:
+                return f"{key} ended"
+        return None
+
     def _kept_ranks(self) -> list[str]:
         """The processes that are kept ranks: each made its cell FIFO."""
         return [k for k in self._pids if os.path.exists(cells.fifo_path(self.job_dir, k))]
@@ -244,7 +261,7 @@ class LocalJob(JobHandle):
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
         # lost()'s checks, with the ranks' FIFOs opened once: the reachability check is the
         # opening of the FIFOs the cell then goes through (a FIFO with no reader fails to open).
-        lost = self._ended()
+        lost = self._ended() or self._ending()
         if lost is not None:
             raise KeptRanksGone(lost)
         try:

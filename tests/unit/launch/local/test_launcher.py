@@ -261,3 +261,33 @@ def test_a_gpu_lease_is_held_by_the_ranks_and_goes_with_the_last_of_them(launche
     finally:
         job.stop(grace=0.1)
         job.close()
+
+
+def test_a_kept_rank_whose_main_thread_ended_is_gone_though_its_fifo_is_still_open(launcher, tmp_path):
+    """A kept rank SIGKILLed between cells: its main thread ends (the process shows as a
+    zombie) a moment before its other threads let go of its FIFO.  The next cell must not
+    be sent to it (it would run on the others and fail): it starts on fresh ranks."""
+    from taas.errors import KeptRanksGone
+    from taas.launch.process import cells
+
+    spec = LaunchSpec(job_id=f"t{time.monotonic_ns()}", cwd=str(tmp_path), processes=(
+        ProcessSpec(key="rank0", entry="tests.support.launch_targets:kept_rank_whose_main_thread_ends"),))
+    job = launcher.start(spec)
+    try:
+        out = b""
+        deadline = time.monotonic() + 60
+        while b"up" not in out:
+            assert time.monotonic() < deadline, out
+            out += b"".join(e.data for e in job.events(0.5) if isinstance(e, OutputChunk))
+        pid = job.pids["rank0"]
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:  # the main thread's end
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert cells.unreachable(job.job_dir, ["rank0"]) is None  # the FIFO still has its reader
+        assert job.lost() == "rank0 ended"
+        with pytest.raises(KeptRanksGone):
+            job.next_cell({}, "payload.pkl", "result.pkl")
+    finally:
+        job.stop(0.5)
+        job.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
