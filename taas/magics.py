@@ -11,6 +11,7 @@ they need from the notebook as plain values.
 from __future__ import annotations
 
 import logging
+import functools
 import os
 import time
 
@@ -126,9 +127,6 @@ class TaasMagics(Magics):
         from taas.jobs.store import Store
 
         address = self.session.cluster_address(options)
-        if address is not None and options.keep:
-            raise UsageError("--keep --detach runs on this machine only for now: on a cluster, use --keep "
-                             "or --detach")
         launcher = self.session.launcher_for(address) if address is not None else None
         try:
             store = Store() if launcher is None else self._cluster_store(launcher)
@@ -220,12 +218,19 @@ class TaasMagics(Magics):
             write_note(sink, note, WARN)
         return out if has_out else None
 
-    def _adopt(self, store, job_id: str, sink):
+    def _adopt(self, store, job_id: str, sink, launcher=None):
         """``%taas attach`` on a kept job: its ranks become this notebook's kept ranks (this
-        kernel's own kept ranks are released first); then its first cell's results land, once."""
+        kernel's own kept ranks are released first); then its first cell's results land, once.
+        ``launcher``: the cluster's whose host actor keeps them (its door: taas.host.ray.door)."""
         from taas.host import adopt, client
 
-        adopted = adopt.Adopted(store, job_id, os.environ.get("JPY_SESSION_NAME", ""))
+        take = knock = None
+        if launcher is not None:
+            from taas.host.ray import client as cluster_jobs
+            from taas.host.ray import door
+
+            take, knock = cluster_jobs.take, functools.partial(door.knock, store, job_id)
+        adopted = adopt.Adopted(store, job_id, os.environ.get("JPY_SESSION_NAME", ""), knock=knock)
         self._let_go()
         local = self.session.release(sink)
         if local:
@@ -233,7 +238,7 @@ class TaasMagics(Magics):
         self.adopted = adopted
         print(f"taas: job {job_id}'s kept ranks ({adopted.describe()}) are this notebook's now: the next "
               "taas cells run on them; %taas release ends them")
-        returned = adopt.first_cell(store, job_id)
+        returned = adopt.first_cell(store, job_id, take)
         return None if returned is None else self._land(client.load(returned), sink)
 
     def _attach(self, job_id: str | None, store=None, latest: int | None = None, launcher=None):
@@ -257,7 +262,7 @@ class TaasMagics(Magics):
                 print(f"taas: detached from job {job_id}; it goes on (%taas attach {job_id} follows it again)")
                 return None
             if record.state.value == "kept":  # its cell ended; its ranks wait to be adopted
-                return self._adopt(store, job_id, sink)
+                return self._adopt(store, job_id, sink, launcher)
             # A kept job's first cell ended well even if its ranks were cancelled or lost later.
             if record.state.value != "done" and not (record.keep and record.has_results and record.taken is None):
                 client.raise_failure(store, record)

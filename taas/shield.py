@@ -7,7 +7,9 @@ flags``); one raised between two messages of a protocol desynchronises it.  Insi
 block ends, so the interrupt still happens, just at a safe point.
 
 Only the main thread receives SIGINT (and only it may set a handler); elsewhere this does
-nothing.
+nothing.  A job that runs in another thread (a Ray actor's, taas.host.ray) is interrupted with
+:func:`interrupt_thread`: it raises KeyboardInterrupt at its next :func:`checkpoint`, which the
+supervisor's watch loops pass between polls, where nothing is half done.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+
+_asked: set[int] = set()  # threads asked to raise KeyboardInterrupt at their next checkpoint
 
 
 @contextlib.contextmanager
@@ -46,3 +50,21 @@ def import_shielded(*names: str) -> None:
     with deferred_interrupt():
         for name in names:
             importlib.import_module(name)
+
+
+def interrupt_thread(ident: int) -> None:
+    """Interrupt thread ``ident`` (not the main thread: a SIGINT does that): it raises
+    KeyboardInterrupt at its next :func:`checkpoint`."""
+    _asked.add(ident)
+
+
+def checkpoint() -> None:
+    """Raise KeyboardInterrupt here if this thread was interrupted (:func:`interrupt_thread`)."""
+    if _asked and threading.get_ident() in _asked:
+        _asked.discard(threading.get_ident())
+        raise KeyboardInterrupt
+
+
+def forget_interrupt() -> None:
+    """This thread's interrupt that no checkpoint met (it came as its work ended) is dropped."""
+    _asked.discard(threading.get_ident())

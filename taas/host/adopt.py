@@ -66,12 +66,12 @@ class Held:
 class Adopted:
     """This kernel's hold on a kept job's ranks, through the host's socket."""
 
-    def __init__(self, store: Store, job_id: str, notebook: str = ""):
-        folder = store.folder(job_id)
+    def __init__(self, store: Store, job_id: str, notebook: str = "", knock=None):
+        """``knock()``: (a connection to the host, the secret to prove), OSError when the host
+        is gone; default: the socket in the job's folder on this machine (channel.knock)."""
         self.job = job_id
         try:
-            token = channel.read_secret(folder)
-            self.sock = channel.connect(folder)
+            self.sock, token = knock() if knock is not None else channel.knock(store.folder(job_id))
         except OSError:
             raise JobError(f"taas: job {job_id}'s kept ranks cannot be reached: their host is gone "
                            f"(`taas jobs` says how it ended)") from None
@@ -235,29 +235,21 @@ def run_cell(adopted: Adopted, source: str, namespace: dict, options: str, sink,
     return loaded
 
 
-def first_cell(store: Store, job_id: str) -> Returned | None:
+def first_cell(store: Store, job_id: str, take=None) -> Returned | None:
     """A kept job's first cell, once, for the notebook that adopts its ranks: rank 0's names
-    and Out[] (None when another notebook took them), or its failure raised."""
+    and Out[] (None when another notebook took them), or its failure raised.  ``take(store,
+    record)``: how results are taken from this store (default: this machine's, client.take)."""
     import json
 
     from taas.host import client
     from taas.host.api import FAILURE
 
-    folder = store.folder(job_id)
-    mine = folder / f".failure-{os.getpid()}"
-    try:
-        os.rename(folder / FAILURE, mine)  # the one atomic claim, as for results
-    except FileNotFoundError:
-        pass
-    else:
-        try:
-            failure = json.loads(mine.read_bytes())
-        finally:
-            os.unlink(mine)
+    data = store.claim(job_id, FAILURE)
+    if data is not None:
+        failure = json.loads(data)
         raise _failure(CellFailed(failure.get("summary", ""), list(failure.get("rendered") or ()),
                                   failure.get("kind", "JobFailed")))
     try:
-        return client.take(store, store.read(job_id))
+        return (take or client.take)(store, store.read(job_id))
     except JobError:  # taken already (by the kernel that started it, or an earlier attach)
         return None
-

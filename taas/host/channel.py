@@ -142,6 +142,31 @@ def connect(folder: pathlib.Path) -> socket.socket:
     return sock
 
 
+class UnixDoor:
+    """How a kept job's host on this machine is reached: the socket in the job's folder; a
+    connection must come from this user and prove the secret written beside it.  (A host on a
+    Ray cluster has its own door: taas.host.ray.door.)"""
+
+    def __init__(self, folder: pathlib.Path):
+        self.folder = pathlib.Path(folder)
+        self.token = make_secret(self.folder)
+        self.listener = listen(self.folder)
+
+    def admits(self, conn: socket.socket) -> bool:
+        return peer_uid(conn) == os.getuid()
+
+    def close(self) -> None:
+        self.listener.close()
+        remove(self.folder)
+
+
+def knock(folder: pathlib.Path) -> tuple[socket.socket, str]:
+    """A connection to the kept job's host whose folder is ``folder``, and the secret to prove
+    (OSError: the host is gone)."""
+    token = read_secret(folder)
+    return connect(folder), token
+
+
 def remove(folder: pathlib.Path) -> None:
     """The socket and the secret gone (the kept ranks ended)."""
     for name in (SOCKET, SECRET):

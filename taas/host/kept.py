@@ -1,8 +1,10 @@
 """A kept job's host (``--keep --detach``): the kept ranks wait for a notebook that adopts them.
 
 After the job's first cell the ranks stay (the host's Session keeps them, as a kernel's does)
-and the record reads ``kept``.  The host then listens on its socket (:mod:`taas.host.channel`):
-one kernel at a time adopts the ranks (``%taas attach ID``) by proving the job's secret, and
+and the record reads ``kept``.  The host then listens at its door: on this machine its socket
+(:class:`taas.host.channel.UnixDoor`), on a Ray cluster a TCP port of its node
+(taas.host.ray.door).  One kernel at a time adopts the ranks (``%taas attach ID``) by proving
+the job's secret, and
 sends each later cell; the host runs it on the kept ranks and streams every Sink call back as
 it happens (also into the record's log, for ``taas logs``), then rank 0's names and Out[] or
 the failure.  An Interrupt interrupts the cell, not the ranks' life.
@@ -15,14 +17,16 @@ the failure.  An Interrupt interrupts the cell, not the ranks' life.
     the idle limit (the Session's Keeper) ends the ranks while nobody uses them
 
 The host ends with the kept ranks: released (``done``), their idle limit (``done``), a cancel
-(``cancelled``).  Its death (SIGKILL) ends them as a kernel's does (the launcher's guard).
+(``cancelled``: SIGTERM, or :meth:`KeptHost.cancel`).  Its death (SIGKILL) ends them as a
+kernel's does (the launcher's guard).  :meth:`KeptHost.serve` runs in the host's main thread
+(an interrupt is a SIGINT, as in a kernel) or in another (a Ray actor's: taas.shield's
+``interrupt_thread``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import queue
 import signal
@@ -35,6 +39,7 @@ from taas.host.api import (CellDone, CellFailed, Ended, Hello, Interrupt, Metric
                            RunCell, Show, Welcome)
 from taas.host.cells import failure_of, run_request
 from taas.jobs.api import State
+from taas.shield import forget_interrupt, interrupt_thread
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +48,14 @@ RELEASED = "were released (%taas release)"
 
 
 class KeptHost:
-    def __init__(self, session, store, record, namespace: dict, record_sink):
+    def __init__(self, session, store, record, namespace: dict, record_sink, door=None):
+        """``door``: where kernels connect (``listener``, ``token``, ``admits(conn)``,
+        ``close()``); default: the socket in the job's folder on this machine."""
         self.session, self.store, self.record = session, store, record
         self.namespace, self.record_sink = namespace, record_sink
-        self.folder = store.folder(record.id)
-        self.token = channel.make_secret(self.folder)
-        self.listener = channel.listen(self.folder)
+        self.door = door if door is not None else channel.UnixDoor(store.folder(record.id))
+        self.token, self.listener = self.door.token, self.door.listener
+        self._server: int | None = None  # the thread that serves (runs the cells)
         self.events: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.holder: socket.socket | None = None
@@ -71,7 +78,7 @@ class KeptHost:
         job = self.record.id
         try:
             conn.settimeout(GREET_WAIT)
-            if channel.peer_uid(conn) != os.getuid():
+            if not self.door.admits(conn):
                 raise PermissionError("another user")
             hello, body = channel.recv(conn, channel.HELLO_LIMIT, 0)
             if not isinstance(hello, Hello) or not channel.proves(self.token, hello.token):
@@ -108,8 +115,7 @@ class KeptHost:
             except (OSError, EOFError, channel.ProtocolError):
                 break
             if isinstance(message, Interrupt):
-                if self.busy:
-                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                self._interrupt()
                 continue
             self.events.put((message, conn, body))
         with self._lock:
@@ -121,8 +127,11 @@ class KeptHost:
     def serve(self, ready=None):
         """Serve the kept ranks until they end; the job's final record.  ``ready()``: called once
         a cancel (SIGTERM) is this loop's (the host says the ranks are kept then)."""
-        signal.signal(signal.SIGTERM, self._on_term)
-        signal.signal(signal.SIGINT, self._on_int)
+        self._server = threading.get_ident()
+        main = self._server == threading.main_thread().ident
+        if main:
+            signal.signal(signal.SIGTERM, self._on_term)
+            signal.signal(signal.SIGINT, self._on_int)
         job, world = self.record.id, self.session.kept.world
         what = f"the kept ranks ({world.size} on {world.device}/{world.backend})"
         try:
@@ -132,9 +141,10 @@ class KeptHost:
         except KeyboardInterrupt:  # a cancel (during a cell, too)
             state, cause = State.CANCELLED, "cancelled"
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the end is written whole
+            if main:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the end is written whole
             released = self.session.release()
-            self.listener.close()
+            self.door.close()
         if state is State.CANCELLED:
             line = f"taas: job {job} was cancelled: {what} ended"
         elif cause == RELEASED and released:
@@ -142,7 +152,6 @@ class KeptHost:
         else:
             line = f"taas: {what} of job {job} {cause}"
         self._tell(Ended(line))
-        channel.remove(self.folder)
         log.debug("kept ranks ended: %s", line)
         return self._now().replace(state=state, cause=cause if state is State.CANCELLED else f"the kept ranks {cause}")
 
@@ -162,6 +171,8 @@ class KeptHost:
                 what, conn, body = self.events.get(timeout=None if left == float("inf") else left + 0.05)
             except queue.Empty:
                 continue
+            if what == "cancel":
+                continue  # the loop's top says cancelled
             if what == "gone":
                 log.debug("the adopting kernel left; the ranks wait")
                 with contextlib.suppress(OSError):
@@ -183,13 +194,15 @@ class KeptHost:
         try:
             request: Request = pickle.loads(body)
             self.busy = True
-            # Python's own SIGINT handler while the cell runs: the steps the supervisor and the
-            # launcher shield (taas.shield.deferred_interrupt) are then never cut.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            main = threading.current_thread() is threading.main_thread()
+            if main:  # Python's own SIGINT handler while the cell runs: the steps the supervisor
+                # and the launcher shield (taas.shield.deferred_interrupt) are then never cut.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
                 returned = run_request(self.session, self.namespace, request, sink)
             finally:
-                signal.signal(signal.SIGINT, self._on_int)
+                if main:
+                    signal.signal(signal.SIGINT, self._on_int)
             self.busy = False
             wire.send(CellDone(), pickle.dumps(returned))
         except BaseException as exc:  # what the notebook shows, whatever it was
@@ -199,9 +212,28 @@ class KeptHost:
             failure = failure_of(exc)
             wire.send(CellFailed(failure.summary, list(failure.rendered), failure.kind))
         finally:
-            self.busy = False
+            with self._lock:  # an interrupt that came as the cell ended is not the next one's
+                self.busy = False
+                forget_interrupt()
             for observer in observers:
                 HISTORY.observers.remove(observer)
+
+    def _interrupt(self) -> None:
+        """Interrupt the running cell (not the ranks' life); nothing when no cell runs."""
+        with self._lock:
+            if not self.busy or self._server is None:
+                return
+            if self._server == threading.main_thread().ident:
+                signal.pthread_kill(self._server, signal.SIGINT)
+            else:
+                interrupt_thread(self._server)
+
+    def cancel(self) -> None:
+        """End the kept ranks (a cancel, when the host is not a process of its own that SIGTERM
+        reaches): a running cell is interrupted, then the ranks are released."""
+        self.cancelled = True
+        self._interrupt()
+        self.events.put(("cancel", None, None))
 
     def _on_term(self, signum, frame) -> None:
         self.cancelled = True

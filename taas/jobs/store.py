@@ -17,6 +17,7 @@ import pathlib
 import re
 import shutil
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -113,6 +114,20 @@ class Store:
             return (self.folder(job_id) / name).read_bytes()
         except OSError:
             return None
+
+    def claim(self, job_id: str, name: str) -> bytes | None:
+        """One of the record's files, once: whoever renames it first has it (None: claimed
+        already, or never there)."""
+        folder = self.folder(job_id)
+        mine = folder / f".{name}-{os.getpid()}-{threading.get_ident()}"
+        try:
+            os.rename(folder / name, mine)  # the one atomic claim
+        except FileNotFoundError:
+            return None
+        try:
+            return mine.read_bytes()
+        finally:
+            os.unlink(mine)
 
     def read(self, job_id: str) -> JobRecord:
         """The record of ``job_id`` as it is now: a running job whose host is gone reads LOST

@@ -34,7 +34,7 @@ from taas.io import failure, hang
 from taas.io.output import OutputRouter
 from taas.job.api import Job
 from taas.launch.api import RESULT, LaunchError
-from taas.shield import deferred_interrupt
+from taas.shield import checkpoint, deferred_interrupt
 from taas.supervisor import diagnosis, events
 from taas.supervisor.celldata import Both, CellData
 from taas.supervisor.kept import Kept
@@ -210,6 +210,7 @@ class CellWatch(Watch):
         try:
             while not self._back():
                 self.deliver(self.handle.events(POLL))
+                checkpoint()  # an interrupt of a job run in a thread of its own (taas.shield)
                 self.router.tick()
                 self.board.tick()
                 self.serve_prompts()

@@ -29,7 +29,7 @@ from taas.io import keys as names
 from taas.io.output import WARN, LineSplitter, OutputRouter, note
 from taas.job.api import PAYLOAD, Job
 from taas.launch.api import RESULT, LaunchSpec, ProcessExit, ProcessSpec, attempt_id
-from taas.shield import deferred_interrupt
+from taas.shield import checkpoint, deferred_interrupt
 from taas.supervisor import diagnosis, events, prompts
 from taas.supervisor.machine import Ev, InvalidTransition, Machine, State  # noqa: F401 (re-exported)
 from taas.workdir import merge
@@ -227,6 +227,7 @@ class Watch:
         try:
             while len(self.ends) < len(self.keys):
                 self.deliver(self.handle.events(POLL))
+                checkpoint()  # an interrupt of a job run in a thread of its own (taas.shield)
                 self.router.tick()
                 self.board.tick()
                 self.serve_prompts()

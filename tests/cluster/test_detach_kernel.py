@@ -19,6 +19,8 @@ import pytest
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
 from tests.support.cluster_helpers import connected_kernel, inner_pid, job_processes, named, placement_groups_left
 from tests.support.kernel_driver import cmdline, one_line_usage_error, plain, wait_for, wait_until_gone
+from tests.support.kept import ok
+from tests.support.ranks import per_rank
 
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
@@ -99,8 +101,6 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_
 
 
 def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel, ray_cluster, tmp_path):
-    refused = one_line_usage_error(kernel.run("%%taas --gpus 2 --keep --detach\nx = 1"))
-    assert "--keep --detach runs on this machine only" in refused
     forever = WAITING.format(go=str(tmp_path / "never"))
     job = _detached(kernel.run(forever))
     wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
@@ -139,3 +139,80 @@ def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel,
     assert kernel.run("%unload_ext taas").error is None
     wait_for(lambda: not _hosts(ray_cluster), timeout=60, what="the kernel's spare host let go")
     assert kernel.run("%load_ext taas").error is None
+    assert kernel.run(f"%taas cluster {ray_cluster.address}").error is None  # as the module's kernel was
+
+
+KEPT = """%%taas --gpus 2 --keep --detach
+import os, time, torch, torch.distributed as dist
+state = dist.get_rank() * 10
+print("first cell", dist.get_rank(), flush=True)
+first = "from the first cell"
+"""
+
+
+def _state(kernel, job: str) -> str:
+    listed = kernel.run("%taas jobs")
+    assert listed.error is None, listed.traceback
+    found = re.search(rf"{job}\s+(\w+)", listed.stdout)
+    return found.group(1) if found else ""
+
+
+def test_kept_ranks_outlive_their_kernel_and_a_new_kernel_adopts_them(kernel, ray_cluster, tmp_path):
+    """--keep --detach on the cluster: the host actor keeps the ranks after the first cell; the
+    kernel that started them dies; the module's kernel adopts them through the host's door (its
+    first cell's names land), runs cells on them with their state, interrupts one (the ranks
+    stay), and releases them: ranks, host and GPUs gone."""
+    (tmp_path / "first").mkdir()
+    first = connected_kernel(ray_cluster, tmp_path / "first")
+    try:
+        job = _detached(first.run(KEPT))
+        wait_for(lambda: _state(kernel, job) == "kept", timeout=120, what="the first cell's end")
+        ranks = sorted(p.pid for p in job_processes(ray_cluster))
+        assert len(ranks) == 2
+        os.kill(first.descendants()[0].pid, signal.SIGKILL)  # the kernel (nsenter's child), its driver
+        wait_for(lambda: not first.km.is_alive(), timeout=30, what="the first kernel gone")
+    finally:
+        first.shutdown()
+    assert _state(kernel, job) == "kept"  # the ranks wait for a notebook
+    adopted = kernel.run(f"%taas attach {job}")
+    assert adopted.error is None, adopted.traceback + adopted.stderr
+    assert f"job {job}'s kept ranks (2 on cpu/gloo) are this notebook's now" in adopted.stdout, adopted.stdout
+    assert kernel.run("print(first)").stdout.strip() == "from the first cell"
+    summed = ok(kernel.run("%%taas\nt = torch.tensor([state + 1.0]); dist.all_reduce(t)\nint(t.item())"))
+    assert summed.result == "12"  # 1 + 11: both ranks' state, reduced together
+    assert sorted(p.pid for p in job_processes(ray_cluster)) == ranks
+
+    seen: dict = {}
+
+    def on_output(out):  # both ranks in the loop: interrupt now
+        if all(f"[rank{r}] spinning" in per_rank(out.stdout) for r in range(2)) and "at" not in seen:
+            seen["at"] = True
+            kernel.km.interrupt_kernel()
+
+    run = kernel.run("%%taas\nprint('spinning', flush=True)\nwhile True:\n    time.sleep(0.05)",
+                     on_output=on_output)
+    assert "at" in seen, run.stdout + run.stderr
+    assert run.error is not None and run.error["ename"] == "KeyboardInterrupt", run.stderr + run.traceback
+    assert sorted(p.pid for p in job_processes(ray_cluster)) == ranks  # the ranks and their state stay
+    assert ok(kernel.run("%%taas\nstate")).result == "0"
+
+    pid, _ = _host_of(kernel, job)
+    host = [p for p in _hosts(ray_cluster) if inner_pid(p.pid) == pid]
+    assert len(host) == 1
+    released = kernel.run("%taas release")
+    assert f"of job {job}" in released.stdout and "released the kept ranks" in released.stdout, released.stdout
+    assert wait_until_gone(ranks + [host[0].pid], timeout=30) == [], [cmdline(p) for p in job_processes(ray_cluster)]
+    assert _state(kernel, job) == "done"
+    wait_for(lambda: placement_groups_left(ray_cluster) == "0", timeout=30, what="the job's GPUs given back")
+    assert f"job {job} forgotten" in kernel.run(f"%taas forget {job}").stdout
+
+
+def test_a_cancel_ends_kept_ranks_on_the_cluster(kernel, ray_cluster):
+    job = _detached(kernel.run(KEPT))
+    wait_for(lambda: _state(kernel, job) == "kept", timeout=120, what="the first cell's end")
+    ranks = [p.pid for p in job_processes(ray_cluster)]
+    cancelled = kernel.run(f"%taas cancel {job}")
+    assert f"taas: job {job} cancelled" in cancelled.stdout, (cancelled.stdout, cancelled.traceback)
+    assert wait_until_gone(ranks, timeout=5) == [], [cmdline(p) for p in job_processes(ray_cluster)]
+    assert _state(kernel, job) == "cancelled"
+    assert f"job {job} forgotten" in kernel.run(f"%taas forget {job}").stdout

@@ -216,7 +216,9 @@ class PrivateJob(JobHandle):
             code = popen.poll()  # not reported here: the next events() still has the exit
             if code is not None:
                 return f"{key} ended ({_ending(code)})"
-        return None
+        # Ending but not reaped yet (its main thread gone): as the local launcher does.
+        return cells.ending({p.key: self.procs[p.key].pid for p in self.spec.processes
+                             if p.rank is not None and p.key in self.procs})
 
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
         why = self.lost()

@@ -17,6 +17,9 @@ it and a new kernel connected to the same cluster lists it, attaches to it and t
 After a detached cell the kernel has the next host made ahead (spares.py): a JobHost with no job
 yet, warm (its Session, the GPU nodes' agents), ending itself if the kernel goes first.
 
+A ``--keep --detach`` job's host keeps the ranks after the first cell and serves them at a TCP
+door of its node (door.py, taas.host.kept's KeptHost): a kernel connected later adopts them.
+
 Ownership: the node agents are actors the host creates, so Ray ends them, and their ranks and
 loader workers with them, when the host actor dies (ray.kill, its worker SIGKILLed, its node
 lost); a record still saying running whose actor is gone reads ``lost`` with why.

@@ -16,6 +16,10 @@ Ray ends what an actor owns when the actor dies, so the agents are told their ow
 actor, not the kernel's Ray job (which ends with the kernel: ``owned_by_host``).  ``cancel``
 proves the job's secret, then interrupts the cell as a kernel's interrupt would; past
 :data:`CANCEL_GRACE` the actor ends itself, and its agents with it.
+
+A ``--keep`` job's ranks stay after its cell: the actor serves them as a host on one machine
+does (:class:`taas.host.kept.KeptHost`), at a TCP door of its node (taas.host.ray.door), until
+they are released, pass their idle limit or are cancelled.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class JobHost:
         self._warming = threading.Lock()  # held while the Session is made and warmed
         self._session = None
         self._cancelled = False
+        self._kept = None  # a --keep job's KeptHost, once its first cell ended
         if not job_id:  # a spare: from its creation on, not from a call its kernel may never make
             threading.Thread(target=self._warm, name="taas-spare-warm", daemon=True).start()
             threading.Thread(target=self._watch_kernel, name="taas-spare-watch", daemon=True).start()
@@ -134,7 +139,10 @@ class JobHost:
             except Exception as exc:  # broad: whatever it is, the record must say it
                 record = record.replace(state=State.FAILED, cause=f"its request could not be read: {exc}")
             else:
-                record = run_job(session, store, record, request, sink, lambda: None, {})
+                namespace: dict = {}  # the notebook's values as the host has them (kept cells too)
+                record = run_job(session, store, record, request, sink, lambda: None, namespace)
+                if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
+                    record = self._serve_kept(session, record, namespace, sink)
         except KeyboardInterrupt:  # the cancel landed outside the cell's own interrupt path
             record = store.read(job_id).replace(state=State.CANCELLED, cause="cancelled")
         except BaseException as exc:  # the record must say why, whatever it was
@@ -148,6 +156,23 @@ class JobHost:
         log.debug("job %s %s", job_id, record.state.value)
         _end_self()
 
+    def _serve_kept(self, session, record, namespace: dict, sink):
+        """A --keep job's ranks, served at this node's door until they end; the final record."""
+        from taas.host.kept import KeptHost
+        from taas.host.ray.door import TcpDoor
+        from taas.jobs.api import State
+
+        try:
+            kept = KeptHost(session, self.store, record, namespace, sink, door=TcpDoor(self.store, record.id))
+        except OSError as exc:  # no door: no notebook could adopt them, so they end now
+            session.release()
+            return record.replace(state=State.DONE, cause=f"its kept ranks could not be served: {exc}")
+        with self._lock:
+            cancelled, self._kept = self._cancelled, kept
+        if cancelled:  # a cancel came before the door opened
+            kept.cancel()
+        return kept.serve(ready=lambda: self.store.write(record))
+
     def cancel(self, token: str) -> str:
         """Stop the job (``token``: its secret): the cell interrupted; what the record says then."""
         if not self.job_id:  # a spare given no job yet: no secret to prove
@@ -158,7 +183,12 @@ class JobHost:
         from taas.jobs.api import State
 
         with self._lock:
-            thread, self._cancelled = self._thread, True
+            thread, self._cancelled, kept = self._thread, True, self._kept
+        if kept is not None:  # kept ranks: their host ends them (a running cell interrupted)
+            kept.cancel()
+            if not self._ended.wait(CANCEL_GRACE):
+                threading.Thread(target=_end_self, daemon=True).start()
+            return "cancelled"
         if thread is None:  # the job never began: nothing runs
             record = self.store.read(self.job_id)
             self.store.write(record.replace(state=State.CANCELLED, ended=time.time(), cause="cancelled"))

@@ -19,6 +19,7 @@ RECORD = "record"
 VIEW = "view"
 SECRET = "secret"  # the per-job token the host's cancel() checks
 HOST = "host"  # the name of the actor that hosts the job (absent: actor_name(owner, id))
+DOOR = "door"  # ip:port where a kept job's host lets kernels adopt its ranks (taas.host.ray.door)
 _OWNER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ID = re.compile(r"^[0-9a-f]{6,32}$")
 

@@ -181,12 +181,21 @@ class RayStore:
         except ValueError:
             return {}
 
-    def claim_results(self, job_id: str) -> bytes | None:
-        """The results, once: whoever deletes the key first has them (None: taken already)."""
-        data = self.get(job_id, api.RESULTS)
-        if data is None or self.kv.delete(self._key(job_id, api.RESULTS)) == 0:
+    def delete(self, job_id: str, part: str) -> None:
+        self.kv.delete(self._key(job_id, part))
+
+    def claim(self, job_id: str, part: str) -> bytes | None:
+        """One part, once: whoever deletes its key first has it (None: claimed already)."""
+        data = self.get(job_id, part)
+        if data is None or self.kv.delete(self._key(job_id, part)) == 0:
             return None
-        self.put(job_id, api.TAKEN, repr(time.time()).encode())
+        return data
+
+    def claim_results(self, job_id: str) -> bytes | None:
+        """The results, once (None: taken already); the record says when they were taken."""
+        data = self.claim(job_id, api.RESULTS)
+        if data is not None:
+            self.put(job_id, api.TAKEN, repr(time.time()).encode())
         return data
 
 

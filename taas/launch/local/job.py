@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 
-import psutil
-
 from taas.errors import KeptRanksGone, LaunchError
 from taas.launch.api import Event, JobHandle, OutputChunk, ProcessExit
 from taas.launch.local import jobdir, protocol
@@ -240,19 +238,8 @@ class LocalJob(JobHandle):
         return None
 
     def _ending(self) -> str | None:
-        """A kept rank whose process is ending: its main thread has ended (a zombie leader),
-        though its other threads may still be exiting and holding its FIFO open, and the start
-        process has not reaped it yet.  It will run no cell; None when there is none."""
-        for key in self._kept_ranks():
-            if key in self._exited:
-                continue
-            try:
-                ending = psutil.Process(self._pids[key]).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-            except psutil.NoSuchProcess:
-                ending = True
-            if ending:
-                return f"{key} ended"
-        return None
+        """A kept rank whose process is ending (cells.ending), not reaped yet: it will run no cell."""
+        return cells.ending({k: self._pids[k] for k in self._kept_ranks() if k not in self._exited})
 
     def _kept_ranks(self) -> list[str]:
         """The processes that are kept ranks: each made its cell FIFO."""

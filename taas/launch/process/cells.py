@@ -145,6 +145,23 @@ def unreachable(job_dir: str, keys) -> OSError | None:
     return None
 
 
+def ending(pids: dict[str, int]) -> str | None:
+    """The first of ``pids`` (key -> pid of a kept rank) whose process is ending or gone, as
+    ``"KEY ended"``; None when every one lives.  A SIGKILLed rank's main thread ends first (the
+    process shows as a zombie) while its other threads still hold its files, its FIFO among
+    them, for a moment: :func:`unreachable` cannot see it yet, this can."""
+    import psutil
+
+    for key, pid in pids.items():
+        try:
+            if psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                continue
+        except psutil.NoSuchProcess:
+            pass
+        return f"{key} ended"
+    return None
+
+
 def _open_all(job_dir: str, keys, fds: list[int]) -> None:
     # A kept rank holds its FIFO open for reading as long as it lives: opening it to write,
     # non-blocking, fails (ENXIO) once the rank is gone.

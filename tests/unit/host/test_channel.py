@@ -20,8 +20,8 @@ from taas.host.api import (SECRET, SOCKET, WIRE, Answer, Ask, CellDone, CellFail
 from taas.host.kept import KeptHost
 from taas.jobs.api import State
 from taas.jobs.store import JobError, Store
-from taas.job.api import World
 from tests.support.jobs import make_record
+from tests.support.kept_session import KeptSession
 
 SAMPLES = [Hello("ab" * 32, 42, "train.ipynb"), Welcome("a1b2c3", 2, "cpu", "gloo"), Refused("taas: no"),
            RunCell(False), Interrupt(), Release(), Show("write", ["stdout", "hi\n"]),
@@ -98,33 +98,6 @@ def test_the_socket_is_private_and_found_from_a_long_folder(tmp_path):
     assert not (folder / SOCKET).exists()
 
 
-class _Kept:
-    world = World(2, "cpu", "gloo")
-    limit = math.inf
-
-    def idle(self) -> float:
-        return 0.0
-
-    def expired(self) -> bool:
-        return False
-
-    def flag(self) -> str:
-        return "--keep"
-
-
-class _Session:
-    """A Session's kept-ranks face, with no ranks."""
-
-    def __init__(self):
-        self.kept = _Kept()
-
-    def release(self):
-        if self.kept is None:
-            return None
-        self.kept = None
-        return "taas: released the kept ranks (2 on cpu/gloo)"
-
-
 @pytest.fixture
 def signals():
     """The host sets SIGTERM and SIGINT handlers for its life (it exits after): put them back."""
@@ -140,7 +113,7 @@ def test_one_kernel_adopts_at_a_time_and_release_ends_the_host(tmp_path, signals
     store = Store(tmp_path / "jobs")
     record = make_record("a1b2c3", State.KEPT, keep=True)
     store.create(record)
-    host = KeptHost(_Session(), store, record, {}, record_sink=None)
+    host = KeptHost(KeptSession(), store, record, {}, record_sink=None)
     seen: dict = {}
 
     def kernels():

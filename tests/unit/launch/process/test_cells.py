@@ -62,3 +62,32 @@ def test_a_cell_goes_to_every_rank_or_to_none_and_a_gone_rank_is_seen_at_once(tm
     finally:
         for inbox in (inboxes[0], inboxes[2]):
             os.close(inbox.fd)
+
+
+def test_a_process_whose_main_thread_ended_is_ending_though_it_still_runs(tmp_path):
+    """What a SIGKILLed many-threaded rank looks like for a moment: a zombie leader whose other
+    threads still run (and hold its FIFO).  A live process is not ending; a reaped one is."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = ("import ctypes, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(600,)).start()\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    leader_gone = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while psutil.Process(leader_gone.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert leader_gone.poll() is None  # the process is still there: not reaped, not reapable
+        assert cells.ending({"rank0": live.pid}) is None
+        assert cells.ending({"rank0": live.pid, "rank1": leader_gone.pid}) == "rank1 ended"
+    finally:
+        for process in (live, leader_gone):
+            process.kill()
+            process.wait()
+    assert cells.ending({"rank0": live.pid}) == "rank0 ended"
