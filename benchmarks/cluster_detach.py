@@ -12,7 +12,11 @@ and prints, side by side in one run, for a trivial 2-rank cell:
 - later detached cells, each after a pause of --pause s (the spare made after the last detached
   cell had time to warm) and back to back (each right after the last one's results landed, as
   Run All runs them: the spare may still be warming), median of --repeat each;
-- each detached job's ``%taas attach`` until rank 0's results landed.
+- each detached job's ``%taas attach`` until rank 0's results landed;
+- a kept cell (``--keep``) on the kernel's own kept ranks, then on kept ranks of a ``--keep
+  --detach`` job it adopted (``%taas attach``: its cells go to the host actor through its TCP
+  door), after a --kept-pause s pause and back to back, median of --kept-cells each (one after
+  the other, not interleaved: either set of ranks holds the simulated cluster's GPUs).
 
 The goal of the spare: a detached cell on the cluster within seconds, not the 16-18 s of a cold host.
 """
@@ -53,10 +57,34 @@ def _detached(kernel) -> tuple[float, float]:
     return took, attached
 
 
+def _kept(kernel, cells: int, pause: float) -> dict[str, list[float]]:
+    """Kept cells on the kernel's own kept ranks, then on kept ranks it adopted (one after the
+    other: the ranks of one hold the cluster's GPUs)."""
+    times: dict[str, list[float]] = {"own": [], "adopted": []}
+    _timed(kernel, f"%%taas --gpus 2 --keep\n{CELL}")
+    for _ in range(cells):
+        time.sleep(pause)
+        times["own"].append(_timed(kernel, f"%%taas\n{CELL}")[0])
+    _timed(kernel, "%taas release")
+    _, out = _timed(kernel, f"%%taas --gpus 2 --keep --detach --fresh\n{CELL}", " detached: ")
+    job = re.search(r"job ([0-9a-f]{6}) detached", out).group(1)
+    while "kept" not in _timed(kernel, "%taas jobs")[1].split(job, 1)[1].split("\n", 1)[0]:
+        time.sleep(0.2)  # its first cell still running
+    _timed(kernel, f"%taas attach {job}", "are this notebook's now")
+    for _ in range(cells):
+        time.sleep(pause)
+        times["adopted"].append(_timed(kernel, f"%%taas\n{CELL}")[0])
+    _timed(kernel, "%taas release")
+    _timed(kernel, f"%taas forget {job}")
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pause", type=float, default=30.0)
+    parser.add_argument("--kept-cells", type=int, default=10)
+    parser.add_argument("--kept-pause", type=float, default=1.0)
     args = parser.parse_args()
     reason = missing_requirements()
     if reason:
@@ -77,6 +105,7 @@ def main() -> None:
                     paused.append(_detached(kernel))
                 for _ in range(args.repeat):
                     back.append(_detached(kernel))
+                kept = {pause: _kept(kernel, args.kept_cells, pause) for pause in (args.kept_pause, 0.0)}
             finally:
                 kernel.run("%taas cluster local")
                 kernel.shutdown()
@@ -91,6 +120,11 @@ def main() -> None:
           f"attach {med(a for _, a in back):.2f} s")
     print(f"  ratio  warm spare / cold host = {med(t for t, _ in paused) / cold:.3f}; "
           f"back to back / cold host = {med(t for t, _ in back) / cold:.3f}")
+    for pause, times in kept.items():
+        label = f"after a {pause:g} s pause" if pause else "back to back"
+        print(f"  kept cell, {label}, median of {args.kept_cells}: the kernel's own kept ranks "
+              f"{med(times['own']):.3f} s | adopted (--keep --detach) {med(times['adopted']):.3f} s | "
+              f"ratio adopted / own = {med(times['adopted']) / med(times['own']):.2f}")
 
 
 if __name__ == "__main__":
