@@ -468,3 +468,18 @@ def test_large_display_data_arrives_whole(kernel, clean):
     assert run.error is None, run.traceback
     html = [d["text/html"] for kind, d in run.displays if "text/html" in d]
     assert html == ["<b>" + "x" * 300000 + "</b>"]
+
+
+def test_the_harness_says_at_once_when_the_kernel_it_waits_on_died(workdir):
+    """A kernel that dies under a cell answers nothing: the test harness fails with that, not
+    after the cell's whole timeout (a dead module kernel once held a CI run for many minutes)."""
+    k = Kernel(str(workdir))
+    try:
+        msg_id = k.execute("import time; time.sleep(600)")
+        os.kill(k.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="the kernel died"):
+            k.reply(msg_id, timeout=120)
+        with pytest.raises(RuntimeError, match="the kernel died"):
+            k.run("1 + 1", timeout=120)
+    finally:
+        k.shutdown()

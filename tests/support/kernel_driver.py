@@ -128,9 +128,15 @@ class Kernel:
 
     def reply(self, msg_id: str, timeout: float = CELL_TIMEOUT) -> dict:
         """The shell reply to request ``msg_id`` (see :func:`_answers`)."""
-        for msg in _answers(self.kc.get_shell_msg, msg_id, timeout):
+        for msg in _answers(self.kc.get_shell_msg, msg_id, timeout, self.km.is_alive):
             return msg
+        self._check_alive()
         raise TimeoutError(f"no reply to {msg_id} in {timeout}s")
+
+    def _check_alive(self) -> None:
+        """A kernel that died answers nothing: say so now, not after the cell's whole timeout."""
+        if not self.km.is_alive():
+            raise RuntimeError("the kernel died (its process ended) while the test waited for it")
 
     def run(self, code: str, timeout: float = CELL_TIMEOUT, on_output=None, batch: bool = False,
             on_panel=None, replies: Replies | None = None) -> CellRun:
@@ -141,7 +147,7 @@ class Kernel:
         cell is sent with ``allow_stdin``); without, a request fails the test."""
         msg_id = self.execute(code, batch)
         out = CellRun()
-        messages = (_answers(self.kc.get_iopub_msg, msg_id, timeout) if replies is None
+        messages = (_answers(self.kc.get_iopub_msg, msg_id, timeout, self.km.is_alive) if replies is None
                     else self._answering(msg_id, timeout, replies, out))
         for msg in messages:
             out.messages.append(msg)
@@ -164,7 +170,8 @@ class Kernel:
                     on_panel(out)
             elif kind == "status" and content["execution_state"] == "idle":
                 break
-        else:  # no idle status in time
+        else:  # no idle status in time (or the kernel died)
+            self._check_alive()
             self._abandon(msg_id)
             raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
         out.status = self.reply(msg_id)["content"]["status"]
@@ -221,15 +228,18 @@ class Kernel:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-def _answers(get, msg_id: str, timeout: float):
+def _answers(get, msg_id: str, timeout: float, alive=None):
     """The messages ``get`` (a channel's ``get_*_msg``) returns that answer request ``msg_id``,
-    for up to ``timeout`` s (then the generator ends); answers to other requests (an earlier
-    cell that timed out, say) are skipped, never taken for this one's."""
+    for up to ``timeout`` s, or until ``alive()`` says the kernel is gone (then the generator
+    ends); answers to other requests (an earlier cell that timed out, say) are skipped, never
+    taken for this one's."""
     deadline = time.monotonic() + timeout
     while (remaining := deadline - time.monotonic()) > 0:
         try:
             msg = get(timeout=min(remaining, 1))
         except queue.Empty:
+            if alive is not None and not alive():
+                return
             continue
         if msg["parent_header"].get("msg_id") == msg_id:
             yield msg
