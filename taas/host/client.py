@@ -21,7 +21,6 @@ import os
 import pathlib
 import pickle
 import signal
-import threading
 import time
 from collections.abc import Callable
 
@@ -279,20 +278,14 @@ def follow(store: Store, job_id: str, sink, *, latest: int | None = LATEST,
 
 def take(store: Store, record: JobRecord) -> Returned:
     """Rank 0's names and Out[] of the finished job ``record``, once: a second take is refused."""
-    folder = store.folder(record.id)
-    mine = folder / f".results-{os.getpid()}-{threading.get_ident()}"
-    try:
-        os.rename(folder / records.RESULTS, mine)  # the one atomic claim
-    except FileNotFoundError:
+    data = store.claim(record.id, records.RESULTS)  # the one atomic claim
+    if data is None:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.taken)) if record.taken else "earlier"
         raise JobError(f"taas: job {record.id}'s results were already taken ({when}); its output "
-                       f"is still there: `taas logs {record.id}`") from None
-    try:
-        returned: Returned = pickle.loads(mine.read_bytes())
-    finally:
-        os.unlink(mine)
+                       f"is still there: `taas logs {record.id}`")
+    returned: Returned = pickle.loads(data)
     with contextlib.suppress(OSError):
-        (folder / records.TAKEN).touch(mode=0o600)
+        (store.folder(record.id) / records.TAKEN).touch(mode=0o600)
     return returned
 
 
