@@ -224,7 +224,7 @@ class Session(KeptRanks):
             # may end that cluster's connection under them.
             self.keeper.reuse(None, None, options.fresh, None, sink)
         launcher = self.launcher_for(address)
-        cuda_devices = functools.cache(launcher.cuda_devices)  # once a cell: each loads NVML anew
+        cuda_devices = functools.cache(launcher.cuda_devices)  # once a cell: a cluster asks its nodes
         kept = self._kept_for(launcher, options, sink, cuda_devices)
         keep = kept is not None or options.keep is not None
         if keep and not launcher.keeps_ranks:

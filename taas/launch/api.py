@@ -61,6 +61,7 @@ What ``%taas`` shows of them comes through the handle too (:meth:`JobHandle.memo
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
 from typing import Iterable, Union
 
@@ -362,10 +363,21 @@ def cuda_device_count() -> int:
     ``libnvidia-ml``) does torch fall back to ``cudaGetDeviceCount``.  Called only in the
     kernel (session, ``check_gpus``, ``%taas``), which never forks ranks: it starts the start
     process as a fresh interpreter (:mod:`taas.launch.local.forksafe`)."""
-    from taas.shield import import_shielded
+    # Counted once per CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER setting: torch loads and
+    # initialises NVML on every call before CUDA is initialised (milliseconds on a machine with
+    # many GPUs, paid by every cell, kept cells too), and only those two settings change what
+    # a process sees.
+    key = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
+    count = _counted.get(key)
+    if count is None:
+        from taas.shield import import_shielded
 
-    # An interrupt must not cut the kernel's first `import torch` in half (taas.shield).
-    import_shielded("torch", "torch.distributed")
-    import torch
+        # An interrupt must not cut the kernel's first `import torch` in half (taas.shield).
+        import_shielded("torch", "torch.distributed")
+        import torch
 
-    return max(0, torch.cuda.device_count())  # NVML first (torch.cuda.device_count's own rule)
+        count = _counted[key] = max(0, torch.cuda.device_count())  # NVML first (torch's own rule)
+    return count
+
+
+_counted: dict[tuple[str | None, str | None], int] = {}  # cuda_device_count's, per setting

@@ -76,7 +76,7 @@ ROOMS: dict[str, set[str]] = {
     "taas.host": {"taas.errors", "taas.cellrun", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
                   "taas.directive", "taas.workdir", "taas.supervisor", "taas.wiring", "taas.shield"},
     # A detached job on a Ray cluster: its host a detached actor, its records in the cluster's KV.
-    "taas.host.ray": {"taas.errors", "taas.host", "taas.jobs", "taas.session", "taas.launch.ray"},
+    "taas.host.ray": {"taas.errors", "taas.shield", "taas.host", "taas.jobs", "taas.session", "taas.launch.ray"},
     "taas.cli": {"taas.errors", "taas.host", "taas.host.ray", "taas.jobs", "taas.leases"},
     # The notebook face.
     "taas.status": {"taas.session", "taas.data"},

@@ -30,5 +30,6 @@ The contract with the local variant (taas.host's client.py/main.py): a store wit
 ``take`` and ``cancel`` have a variant here.
 
 May import: taas.host (its client's Follower, the host's run_job, the RecordSink, api),
-taas.jobs, taas.session, taas.launch.ray (the cluster connection), taas.errors.
+taas.jobs, taas.session, taas.launch.ray (the cluster connection), taas.errors, taas.shield
+(a cancel lands at the supervisor's next checkpoint).
 """

@@ -14,7 +14,8 @@ cluster carries out even if the kernel dies first (a method call would die with 
 
 Ray ends what an actor owns when the actor dies, so the agents are told their owner is this
 actor, not the kernel's Ray job (which ends with the kernel: ``owned_by_host``).  ``cancel``
-proves the job's secret, then interrupts the cell as a kernel's interrupt would; past
+proves the job's secret, then interrupts the cell as a kernel's interrupt would (at the
+supervisor's next checkpoint: :func:`taas.shield.interrupt_thread`); past
 :data:`CANCEL_GRACE` the actor ends itself, and its agents with it.
 
 A ``--keep`` job's ranks stay after its cell: the actor serves them as a host on one machine
@@ -24,7 +25,6 @@ they are released, pass their idle limit or are cancelled.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import logging
 import os
@@ -33,6 +33,7 @@ import threading
 import time
 
 from taas.host.ray import keys
+from taas.shield import interrupt_thread
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +196,10 @@ class JobHost:
             threading.Thread(target=_end_self, daemon=True).start()
             return "cancelled"
         if thread.ident is not None and not self._ended.is_set():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
-                                                      ctypes.py_object(KeyboardInterrupt))
+            # At the supervisor's next checkpoint, between polls (taas.shield): never in the
+            # middle of a step, as an exception raised into the thread at any bytecode could be.
+            # A thread blocked elsewhere (a launch waiting on the cluster) meets the grace below.
+            interrupt_thread(thread.ident)
             if not self._ended.wait(CANCEL_GRACE):
                 record = self.store.read(self.job_id)
                 self.store.write(record.replace(state=State.CANCELLED, ended=time.time(),

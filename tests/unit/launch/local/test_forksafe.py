@@ -157,6 +157,26 @@ def test_gpus_hidden_by_cuda_visible_devices_are_not_counted(visible):
         assert count <= 1
 
 
+def test_gpus_are_counted_once_per_cuda_visible_devices_setting(monkeypatch):
+    """torch loads NVML anew on each count before CUDA is initialised: a kept cell must not pay
+    that every time, yet a changed CUDA_VISIBLE_DEVICES is counted again."""
+    import torch
+
+    from taas.launch import api
+
+    calls = []
+    monkeypatch.setattr(api, "_counted", {})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append(os.environ.get("CUDA_VISIBLE_DEVICES")) or 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert [cuda_device_count() for _ in range(5)] == [3] * 5
+    assert calls == ["0,1,2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert cuda_device_count() == 3  # what torch said for the new setting (the fake says 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    cuda_device_count()
+    assert calls == ["0,1,2", "0"]
+
+
 def test_a_spawn_error_says_whether_the_start_process_is_exiting():
     assert protocol.SpawnError("j", "no").replace is False
     message = protocol.decode(protocol.encode(protocol.SpawnError("j", "no", replace=True)))
