@@ -483,3 +483,21 @@ def test_the_harness_says_at_once_when_the_kernel_it_waits_on_died(workdir):
             k.run("1 + 1", timeout=120)
     finally:
         k.shutdown()
+
+
+def test_a_cell_past_its_timeout_fails_with_where_the_kernel_was_and_the_kernel_goes_on(workdir):
+    """A hang in CI shows where it hung: the harness's timeout carries the kernel's stacks."""
+    k = Kernel(str(workdir), load_taas=False)
+    try:
+        with pytest.raises(TimeoutError) as hung:
+            k.run("import time\ndef waiting_in_the_cell():\n    time.sleep(600)\nwaiting_in_the_cell()", timeout=3)
+        assert "waiting_in_the_cell" in str(hung.value), str(hung.value)
+        assert k.run("print('after')").stdout == "after\n"  # interrupted: the next cell runs
+        # pytest-timeout's limit striking while the harness waits (as its SIGALRM would): the
+        # failure carries the kernel's stacks too.
+        with pytest.raises(pytest.fail.Exception) as struck:
+            k.run("import time\ndef waiting_for_ever():\n    print('in', flush=True)\n    time.sleep(600)\n"
+                  "waiting_for_ever()", on_output=lambda out: pytest.fail("Timeout >300.0s"))
+        assert "waiting_for_ever" in "".join(getattr(struck.value, "__notes__", [])), struck.value
+    finally:
+        k.shutdown()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -113,6 +115,7 @@ class Kernel:
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=self.CELL_TIMEOUT)
         self.pid = self.km.provisioner.process.pid
+        self._stacks = self._dump_stacks_on_sigusr1()
         if load_taas:
             run = self.run("%load_ext taas")
             assert run.error is None, run.traceback
@@ -120,6 +123,42 @@ class Kernel:
     # Upper bounds for "until it is done": only a real hang reaches them, however busy the
     # machine is.  Bounds the product promises (stop within 5 s) are asserted by the tests.
     CELL_TIMEOUT = 600.0
+
+    def _dump_stacks_on_sigusr1(self) -> str:
+        """Have the kernel write every thread's Python stack to a file on SIGUSR1 (silently: no
+        execution count, no history), so that a cell that hangs fails with where it hung."""
+        fd, path = tempfile.mkstemp(prefix="taas-kernel-stacks-")
+        os.close(fd)
+        code = (f"import faulthandler as _fh, signal as _sig\n"
+                f"_fh.register(_sig.SIGUSR1, file=open({path!r}, 'w'), all_threads=True)\n"
+                "del _fh, _sig")
+        reply = self.reply(self.kc.execute(code, silent=True, store_history=False))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        self._dumping = self._kernel_process()  # only it writes them (a restarted one would die)
+        return path
+
+    def _kernel_process(self) -> psutil.Process | None:
+        """The kernel's own process: ours (started by this harness), not a prefix command's."""
+        try:
+            return next((p for p in [psutil.Process(self.pid), *self.descendants()]
+                         if "ipykernel" in " ".join(cmdline(p))), None)
+        except psutil.Error:
+            return None
+
+    def stacks(self, timeout: float = 10.0) -> str:
+        """Every thread's Python stack in the kernel now (its faulthandler dump), or why not."""
+        kernel = self._kernel_process()
+        if kernel is None or kernel != self._dumping:  # psutil compares pid and start time
+            return "(not the kernel that was asked to dump its stacks: restarted?)"
+        size = os.path.getsize(self._stacks)
+        try:
+            kernel.send_signal(signal.SIGUSR1)
+            wait_for(lambda: os.path.getsize(self._stacks) > size, timeout=timeout, what="the kernel's stacks")
+        except (psutil.Error, TimeoutError) as exc:
+            return f"(the kernel's stacks could not be had: {exc})"
+        with open(self._stacks, errors="replace") as f:
+            f.seek(size)
+            return f.read()
 
     def execute(self, code: str, batch: bool = False) -> str:
         """Send ``code`` for execution without waiting; its msg_id, for :meth:`reply`.
@@ -149,6 +188,24 @@ class Kernel:
         out = CellRun()
         messages = (_answers(self.kc.get_iopub_msg, msg_id, timeout, self.km.is_alive) if replies is None
                     else self._answering(msg_id, timeout, replies, out))
+        try:
+            finished = self._collect(messages, out, on_output, on_panel)
+        except BaseException as exc:
+            if type(exc).__name__ == "Failed" and str(exc).startswith("Timeout") and hasattr(exc, "add_note"):
+                # pytest-timeout's own limit (its SIGALRM) struck while the kernel worked: say where.
+                exc.add_note(f"the kernel's threads then:\n{self.stacks()}")
+            raise
+        if not finished:  # no idle status in time (or the kernel died)
+            self._check_alive()
+            stacks = self.stacks()
+            self._abandon(msg_id)
+            raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}\nthe kernel's threads then:\n{stacks}")
+        out.status = self.reply(msg_id)["content"]["status"]
+        return out
+
+    @staticmethod
+    def _collect(messages, out: CellRun, on_output, on_panel) -> bool:
+        """Fill ``out`` from the cell's iopub ``messages``; whether its idle status came."""
         for msg in messages:
             out.messages.append(msg)
             kind, content = msg["msg_type"], msg["content"]
@@ -169,13 +226,8 @@ class Kernel:
                 if panel and on_panel:
                     on_panel(out)
             elif kind == "status" and content["execution_state"] == "idle":
-                break
-        else:  # no idle status in time (or the kernel died)
-            self._check_alive()
-            self._abandon(msg_id)
-            raise TimeoutError(f"cell did not finish in {timeout}s:\n{code}")
-        out.status = self.reply(msg_id)["content"]["status"]
-        return out
+                return True
+        return False
 
     def _answering(self, msg_id: str, timeout: float, replies: Replies, out: CellRun):
         """The cell's iopub messages, answering its input requests meanwhile (each request's
@@ -224,6 +276,8 @@ class Kernel:
     def shutdown(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
+        with contextlib.suppress(OSError):
+            os.unlink(self._stacks)
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
