@@ -245,12 +245,16 @@ class TaasMagics(Magics):
         """``%taas attach [ID]``: the job's output so far, then live; at its end rank 0's names
         and Out[] land here, or its failure is raised.  An interrupt detaches."""
         from taas.host import client
+        from taas.jobs import listing
         from taas.session import job_metrics
 
         if store is None:
             store, launcher = self._records()  # launcher: the cluster's whose store it is, or None
         try:
-            job_id = store.resolve(job_id) if job_id else _default_job(store)
+            job_id = store.resolve(job_id) if job_id else listing.default_job(
+                store.listing(), os.environ.get("JPY_SESSION_NAME", ""))
+            if job_id is None:
+                raise UsageError("taas: no running job and no results waiting; `%taas jobs` lists your jobs")
             if self.adopted is not None and self.adopted.job == job_id and self.adopted.gone() is None:
                 print(f"taas: job {job_id}'s kept ranks are this notebook's already; %taas release ends them")
                 return None
@@ -347,7 +351,6 @@ class TaasMagics(Magics):
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
 
-
     def _debug(self, args: list[str]) -> None:
         """``%taas debug [RANK]``: pdb where the kept rank's last failed cell raised."""
         if len(args) > 1 or (args and not args[0].isdigit()):
@@ -360,20 +363,6 @@ class TaasMagics(Magics):
 
 _JOB_USAGE = {"jobs": "no arguments", "attach": "at most a job id", "cancel": "a job id",
               "forget": "a job id", "logs": "a job id"}
-
-
-def _default_job(store) -> str:
-    """``%taas attach`` with no id: the newest running job of this notebook, else this user's
-    newest running job, else the newest whose results wait."""
-    items = [item for item in store.listing() if not item.problem]
-    notebook = os.environ.get("JPY_SESSION_NAME", "")
-    for wanted in (lambda r: not r.state.final and notebook and r.notebook == notebook,
-                   lambda r: not r.state.final,
-                   lambda r: r.has_results and r.taken is None):
-        for item in items:
-            if wanted(item.record):
-                return item.record.id
-    raise UsageError("taas: no running job and no results waiting; `%taas jobs` lists your jobs")
 
 
 _CLUSTER_USAGE = ("%taas cluster takes one address (what ray.init(address=...) takes) or 'local', "

@@ -50,3 +50,16 @@ def render(items: list[Listed], now: float | None = None) -> str:
 def _short(text: str, width: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def default_job(items: list[Listed], notebook: str) -> str | None:
+    """The job ``attach`` with no id means (``items`` newest first): the newest running job of
+    ``notebook``, else the newest running job, else the newest whose results wait; None."""
+    readable = [item.record for item in items if not item.problem]
+    for wanted in (lambda r: not r.state.final and notebook and r.notebook == notebook,
+                   lambda r: not r.state.final,
+                   lambda r: r.has_results and r.taken is None):
+        for record in readable:
+            if wanted(record):
+                return record.id
+    return None

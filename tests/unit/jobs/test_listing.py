@@ -125,3 +125,19 @@ def test_duration(seconds, text):
 
 def test_sizes_are_written_as_the_rank_panel_writes_them():
     assert size is panel_size  # one way to write a size (taas.io.panel)
+
+
+def test_attach_without_an_id_means_this_notebooks_running_job_then_any_running_then_results_waiting():
+    from taas.jobs.listing import default_job
+
+    mine = listed("a1", State.RUNNING, notebook="train.ipynb")
+    other = listed("b2", State.RUNNING, notebook="other.ipynb")
+    waiting = listed("c3", State.DONE, has_results=True)
+    taken = listed("d4", State.DONE, has_results=True, taken=NOW - 10)
+    broken = listed("e5", State.RUNNING, notebook="train.ipynb", problem="damaged")
+    newest_first = [broken, waiting, other, mine, taken]
+    assert default_job(newest_first, "train.ipynb") == "a1"  # this notebook's, though not the newest
+    assert default_job(newest_first, "eval.ipynb") == "b2"  # the newest running one
+    assert default_job(newest_first, "") == "b2"
+    assert default_job([taken, waiting], "train.ipynb") == "c3"  # results wait there, not in d4
+    assert default_job([taken, broken], "train.ipynb") is None  # a damaged record is never chosen
