@@ -141,18 +141,22 @@ class TaasMagics(Magics):
                       f"{time.strftime('%H:%M', time.localtime(copy.started))}): attaching to it "
                       "(--fresh starts a new one)")
                 return self._attach(copy.id, store, launcher=launcher)
-            request = client.request_for(source, self.shell.user_ns, line, filename=filename, text=cell,
-                                         label=self._name_for(filename), first_line=2,
-                                         hidden=frozenset(self.shell.user_ns_hidden), name_for=self._name_for)
+            hidden = frozenset(self.shell.user_ns_hidden)
             if launcher is None:
-                record = client.start(store, request, ranks=options.gpus or 0, where="this machine",
-                                      notebook=notebook, sink=sink or TerminalSink(), hosts=self.hosts,
-                                      hashed=whole)
+                from taas.host import detach
+
+                record = detach.start_here(self.session, store, source, self.shell.user_ns, options, line=line,
+                                           filename=filename, text=cell, hidden=hidden, name_for=self._name_for,
+                                           notebook=notebook, hashed=whole, sink=sink or TerminalSink(),
+                                           hosts=self.hosts)
             else:  # a detached actor on the cluster hosts it (taas.host.ray)
                 from taas.host.ray import client as cluster_jobs
                 from taas.host.ray.spares import ClusterSpares
 
                 self.cluster_spares = self.cluster_spares or ClusterSpares()
+                request = client.request_for(source, self.shell.user_ns, line, filename=filename, text=cell,
+                                             label=self._name_for(filename), first_line=2, hidden=hidden,
+                                             name_for=self._name_for)
                 record = cluster_jobs.start(launcher, store, request, ranks=options.gpus or 0, notebook=notebook,
                                             sink=sink or TerminalSink(), hashed=whole, workdir=self.session.workdir,
                                             workdir_limit=self.session.workdir_limit, spares=self.cluster_spares)

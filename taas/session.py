@@ -113,7 +113,7 @@ class Session(KeptRanks):
         what a job's preparation imports (the data plane, planned for every job): a job host
         forked from this process (taas.host.zygote) then prepares its job and forks its start
         process warm."""
-        import taas.data.plane  # noqa: F401  (what _data_plane imports at the first job)
+        import taas.data.plane  # noqa: F401  (what _job imports at the first job)
         from taas.launch.local import forkstart
 
         forkstart.preload()
@@ -194,9 +194,7 @@ class Session(KeptRanks):
         # The idle limit's timer may be ending kept ranks right now: that is no job, wait for it.
         wait = 15 if self.keeper.releasing else 0
         if not (self._running.acquire(timeout=wait) if wait else self._running.acquire(blocking=False)):
-            raise LaunchError(
-                f"a taas job is already running in this kernel (started at {self._running_since}); "
-                "wait for it to finish or interrupt it, then run this cell again")
+            raise self._busy()
         try:
             self._running_since = time.strftime("%H:%M:%S")
             return self._run_cell(source, namespace, options, **kwargs)
@@ -254,11 +252,40 @@ class Session(KeptRanks):
                                       post_mortem=post_mortem)
         return self._run(launcher, job, plane, big, self.last, sink, name_for)
 
+    def detached_job(self, source: str, namespace: dict, options: directive.JobOptions, *, job_name: str,
+                     hand_over, filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
+                     hidden: frozenset = frozenset(), name_for=None, text: str | None = None):
+        """``--detach`` here: the cell made into a Job as an attached cell's is (GPUs leased for
+        ``job_name``; rank 0's results inline: no kernel reads a channel), then what
+        ``hand_over(job)`` says (it gives the job and its files to a job host, whose launcher
+        removes the big values' files at the end; if it raised, they go now)."""
+        if not self._running.acquire(blocking=False):
+            raise self._busy()
+        name, self.job_name = self.job_name, job_name
+        big = None
+        try:
+            job, _, big = self._job(self.launcher, working_directory(), source, filename, first_line, namespace,
+                                    options, sink or TerminalSink(), hidden, name_for, text=text, channel=False)
+            said = hand_over(job)
+            big.paths = []  # the host's now (its launcher's cleanups remove them)
+            return said
+        finally:
+            self.job_name = name
+            if big is not None:
+                big.unlink(wait=False)
+            self.resident.settle()
+            self._let_go()  # our copies of the lease: the host's keep the GPUs
+            self._running.release()
+
+    def _busy(self) -> LaunchError:
+        return LaunchError(f"a taas job is already running in this kernel (started at {self._running_since}); "
+                           "wait for it to finish or interrupt it, then run this cell again")
+
     def _job(self, launcher, cwd: str, source: str, filename: str, first_line: int, namespace: dict,
              options: directive.JobOptions, sink: Sink, hidden: frozenset,
              name_for, kept: Kept | None = None, keep: bool = False,
              text: str | None = None, post_mortem: bool = False,
-             cuda_devices: int | None = None) -> tuple[Job, DataPlane | None, BigValues]:
+             cuda_devices: int | None = None, channel: bool = True) -> tuple[Job, DataPlane | None, BigValues]:
         """The cell as a Job, its data plane (``job.data``, typed) and the BigValues its big
         arrays went out through (the caller closes them).  Everything that can fail before
         launch fails here: a syntax error, a value that cannot be shipped, more processes than
@@ -273,7 +300,11 @@ class Session(KeptRanks):
         if kept is not None:  # kept ranks: only what they lack or the notebook changed
             values = {k: v for k, v in values.items() if not kept.holds(k, v)}
         rebound = rebound_loaders(namespace, values)
-        plane = self._data_plane(values, options, world, device)  # on kept ranks: this cell's loader job
+        # Registered loaders the cell reads leave ``values`` (loader workers get them; the ranks get
+        # views): their DataPlane (on kept ranks: this cell's loader job), or None.
+        from taas.data.plane import DataPlane
+
+        plane = DataPlane.plan(values, options, world, device)
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
         launcher.check(world + workers, device, ranks=world)  # before anything is written or started
         job_id = uuid.uuid4().hex[:12]
@@ -292,7 +323,7 @@ class Session(KeptRanks):
         blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
         # Rank 0's big results come back as memory files on a channel, on this machine only.
         # Kept ranks already have theirs (their first cell's, taas.supervisor.kept.Kept.channel).
-        returning = big.open_results_channel() if options.results and big.files and kept is None else {}
+        returning = big.open_results_channel() if options.results and big.files and kept is None and channel else {}
         if launcher is not self.launcher:
             self.resident.settle()  # a cluster launcher reads the files' bytes to send them
         if self._device_changed(options, note) and note:
@@ -370,10 +401,3 @@ class Session(KeptRanks):
         changed, self._device_fact = fact != self._device_fact, fact
         return changed
 
-    # ------------------------------------------------------------------------------------
-    def _data_plane(self, values: dict, options, world: int, device: str) -> DataPlane | None:
-        """Registered loaders the cell reads leave ``values`` (loader workers get them; the
-        ranks get views): their DataPlane, or None."""
-        from taas.data.plane import DataPlane
-
-        return DataPlane.plan(values, options, world, device)

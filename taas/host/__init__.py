@@ -1,8 +1,9 @@
 """The job host: a detached job's supervisor, in a process of its own that outlives the kernel.
 
-    kernel (client.py)                          host (main.py, ``python -m taas.host FOLDER``)
-      the cell, the values it reads ──request──>  a Session of its own runs the cell as today:
-      (api.Request, in the record folder)          supervisor, launcher, ranks (its descendants)
+    kernel (detach.py, client.py)               host (main.py, ``python -m taas.host``)
+      the Job, made by the kernel's ──job.pkl──>  the supervisor an attached job has runs it:
+      Session as an attached cell's  + its fds     its own launcher, ranks (its descendants)
+      (api.Prepared; --keep: api.Request, which a Session of the host's runs)
       follows the record's output log  <──log──   every sink call as a record (sink.py)
       takes rank 0's names and Out[]   <──────    api.Returned in results.pkl, state in record.json
 

@@ -1,7 +1,12 @@
 """What crosses between a kernel and a job host, both ways, as files in the job's record folder.
 
-* :class:`Request` (``request.pkl``): the cell and what it reads, written by the kernel before
-  the host starts; the host removes it once read.
+* :class:`Prepared` (``job.pkl``): a job on this machine, made by the kernel exactly as an
+  attached cell's (the cell read, its values shipped, its GPUs leased): the host runs it as it
+  is, with the supervisor an attached job has; its shared files (big values, the GPU lease)
+  ride along with :class:`Take`.  The host removes it once read.
+* :class:`Request` (``request.pkl``): the cell and what it reads, for a host that makes the job
+  itself with a Session of its own (``--keep --detach``, whose host then serves later cells,
+  and a job on a Ray cluster); the host removes it once read.
 * :class:`Returned` (``results.pkl``): rank 0's names and ``Out[]``, each pickled on its own
   (one that cannot be read costs itself and a note), written by the host when the job succeeded.
 * :class:`Failure` (``failure.json``): a failed job's rendering (the root cause's traceback with
@@ -28,8 +33,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 FAILURE = "failure.json"
+FDS_AT_ONCE = 250  # files per message on a host's socket, the rest in messages of their own (max 253)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,13 @@ class Request:
     cwd: str  # the notebook's working directory
     loaders: dict = field(default_factory=dict)  # name -> (prefetch, buffer_mb): registered loaders
     text: str | None = None  # the cell as typed, when ``source`` is IPython's translation of it
+
+
+@dataclass(frozen=True)
+class Prepared:
+    job: Any  # taas.job.api.Job, its shared_fds left out (they travel as SCM_RIGHTS with Take)
+    sources: dict = field(default_factory=dict)  # the notebook's cells' linecache entries
+    labels: dict = field(default_factory=dict)  # a cell's file name -> how tracebacks name it
 
 
 @dataclass(frozen=True)
@@ -66,9 +80,11 @@ class Failure:
 @dataclass(frozen=True)
 class Take:
     """kernel -> host: run the job whose record folder is ``folder`` (its lock fd rides along
-    as SCM_RIGHTS).  From then on the host needs nothing of the kernel."""
+    as SCM_RIGHTS, then a Prepared job's ``fds`` shared files).  From then on the host needs
+    nothing of the kernel."""
 
     folder: str
+    fds: int = 0
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ def run_request(session, namespace: dict, request: Request, sink) -> Returned:
     ``namespace`` first; rank 0's names (also kept in ``namespace``) and Out[]."""
     from taas.data import registry
     from taas.job import package
-    from taas.session import WARN, write_note
 
     # One namespace shared with the shipped functions, as in a rank (package.unship).
     namespace.update(package.unship(request.names))
@@ -42,6 +41,14 @@ def run_request(session, namespace: dict, request: Request, sink) -> Returned:
         text=request.text)
     log.debug("the cell ended")
     namespace.update(result.values)  # as in the notebook: a later kept cell reads them here
+    return returned(result, sink)
+
+
+def returned(result, sink) -> Returned:
+    """Rank 0's names and Out[] (a CellResult) as a record keeps them, each pickled on its own
+    (one that cannot be costs itself and a note, shown in ``sink``)."""
+    from taas.session import WARN, write_note
+
     values, notes = {}, list(result.notes)
     for name, value in result.values.items():
         try:

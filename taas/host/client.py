@@ -4,8 +4,8 @@ A kernel (:mod:`taas.magics`) and a terminal (:mod:`taas.cli`) use the same call
 reads the host's memory or talks to it but through its record folder and, to cancel, a signal
 to the pid the record names (checked against that process's start time).
 
-    start(...)    the cell's values into a Request, handed to a job host (spares.py), its
-                  output shown until the ranks run; the record
+    start(...)    a job the kernel prepared (or a Request), handed to a job host (spares.py),
+                  its output shown until the ranks run; the record
     follow(...)   the output so far (its latest records, what is shown in place at its latest
                   state), then live, until the job ends or the viewer is interrupted
     take(...)     rank 0's names and Out[] of a finished job, once
@@ -15,6 +15,7 @@ to the pid the record names (checked against that process's start time).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,8 +28,9 @@ from collections.abc import Callable
 import psutil
 
 from taas.errors import JobFailed, LaunchError, RenderedError
-from taas.host.api import FAILURE, Failure, Request, Returned
+from taas.host.api import FAILURE, Failure, Prepared, Request, Returned
 from taas.host.spares import Hosts
+from taas.job import crossing
 from taas.jobs import api as records
 from taas.jobs.api import JobRecord, State
 from taas.jobs.log import LogReader, read_view
@@ -63,24 +65,33 @@ def running_copy(store: Store, source: str, notebook: str) -> JobRecord | None:
     return None
 
 
-def start(store: Store, request: Request, *, ranks: int, where: str, notebook: str, sink,
-          hosts=None, hashed: str | None = None) -> JobRecord:
-    """Start ``request`` under a job host (``hosts``' warm spare, else a new one) and show its
-    output until the ranks run; its record then.  A job that ends before (a launch error, a
-    failure in the first seconds) raises what an attached cell would; an interrupt meanwhile
-    cancels it.  ``hashed``: the text that identifies the cell (its options and body; default:
-    the body), for :func:`running_copy`."""
+def start(store: Store, work: Request | Prepared, *, ranks: int, where: str, notebook: str, sink,
+          hosts=None, hashed: str | None = None, job_id: str | None = None) -> JobRecord:
+    """Start ``work`` under a job host (``hosts``' warm spare, else a new one) and show its
+    output until the ranks run; its record then.  ``work``: a job the kernel prepared (its
+    shared files go to the host with it), or a Request for the host's own Session.  A job that
+    ends before (a launch error, a failure in the first seconds) raises what an attached cell
+    would; an interrupt meanwhile cancels it.  ``hashed``: the text that identifies the cell
+    (its options and body; default: the body), for :func:`running_copy`; ``job_id``: the
+    record's id (default: a fresh one, :func:`fresh_id`)."""
     hosts = hosts or Hosts()
-    record = JobRecord(id=_fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
-                       started=time.time(), notebook=notebook,
-                       first_line=first_code_line(request.text or request.source),
-                       source_hash=source_hash(hashed or request.source), cwd=request.cwd)
+    if isinstance(work, Prepared):
+        job = work.job
+        text, cwd, fds = job.payload.text or job.payload.source, job.cwd, list(job.shared_fds)
+        # As it is, but code keeps its file names (the cells' own, for tracebacks).
+        data = crossing.dumps(dataclasses.replace(work, job=dataclasses.replace(job, shared_fds=())),
+                              crossing.AS_IS)
+    else:
+        text, cwd, fds, data = work.text or work.source, work.cwd, [], pickle.dumps(work)
+    record = JobRecord(id=job_id or fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
+                       started=time.time(), notebook=notebook, first_line=first_code_line(text),
+                       source_hash=source_hash(hashed or text), cwd=cwd)
     folder = store.create(record)
-    write_file(folder / records.REQUEST, pickle.dumps(request))
+    write_file(folder / (records.PREPARED if isinstance(work, Prepared) else records.REQUEST), data)
     host = hosts.take(store)
     lock = hold_lock(folder)  # held for the host from now on: the record never reads lost meanwhile
     try:
-        host.give(folder, lock)
+        host.give(folder, lock, fds)
     except OSError as exc:
         raise LaunchError(f"taas: could not hand job {record.id} to a job host: {exc}") from None
     finally:
@@ -109,7 +120,8 @@ def start(store: Store, request: Request, *, ranks: int, where: str, notebook: s
     return record
 
 
-def _fresh_id(store: Store) -> str:
+def fresh_id(store: Store) -> str:
+    """A job id no record of ``store`` has."""
     taken = set(store.ids())
     while True:
         job_id = new_id()

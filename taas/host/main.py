@@ -3,9 +3,12 @@
 The host is started by a kernel (:mod:`taas.host.client`) in a session of its own, ahead of
 need: it makes its Session warm and waits on its socket for a :class:`~taas.host.api.Take`,
 which carries the record's lock (already held for it).  From then on it needs nothing of the
-kernel; until then it ends with the kernel (the socket closes).  It runs the cell with a
-:class:`~taas.session.Session` of its own -- the same supervisor, launcher and ranks as an
-attached cell -- and writes everything it would have shown into the record
+kernel; until then it ends with the kernel (the socket closes).  It runs the job the kernel
+prepared as an attached cell's (:class:`~taas.host.api.Prepared`, its shared files handed
+over with the Take) with the same supervisor on its own launcher (:func:`run_prepared`); for
+``--keep --detach`` it runs the cell with a :class:`~taas.session.Session` of its own
+(:func:`run_job`), which then serves the kept ranks' later cells.  Either way it writes
+everything it would have shown into the record
 (:class:`~taas.host.sink.RecordSink`), then rank 0's results or the failure.
 
 SIGTERM (``taas cancel``) is an interrupt: every process stopped, the record ``cancelled``.
@@ -29,7 +32,7 @@ import time
 import psutil
 
 from taas.errors import TaasError
-from taas.host.api import FAILURE, Failure, Request, Running, Take, decode, encode
+from taas.host.api import FAILURE, FDS_AT_ONCE, Failure, Prepared, Request, Running, Take, decode, encode
 from taas.host.cells import cause_of, failure_of, run_request
 from taas.host.kept import KeptHost
 from taas.host.sink import RecordSink
@@ -61,9 +64,9 @@ def main() -> int:
     # warm host adds no import to the job it is given.
     session.launcher.cuda_devices()
     try:
-        take, lock = _wait_for_job(channel)
+        take, lock, shared = _wait_for_job(channel)
     except (OSError, EOFError):
-        take = None
+        take, shared = None, []
     spare_log = os.environ.pop("TAAS_HOST_LOG", None)
     if take is None:
         session.close()
@@ -88,22 +91,34 @@ def main() -> int:
     record = record.replace(host_pid=me.pid, host_started=me.create_time())
     session.job_name = record.id  # the GPU leases name the job as `taas jobs` does
     store.write(record)
+    # A job the kernel prepared (as an attached cell's), else a cell for our Session to make one of.
+    name = records.PREPARED if take.fds or (folder / records.PREPARED).exists() else records.REQUEST
     try:
-        request: Request = pickle.loads((folder / records.REQUEST).read_bytes())
-    except (OSError, pickle.PickleError, EOFError) as exc:
+        work: Prepared | Request = pickle.loads((folder / name).read_bytes())
+    except Exception as exc:  # broad: unpickling a job can raise anything; the record must say it
+        for fd in shared:
+            os.close(fd)
         store.write(record.replace(state=State.FAILED, ended=time.time(),
                                    cause=f"its request could not be read: {exc}"))
         _tell(channel, Running(record.id, ended=True))
         session.close()
         return 1
-    os.unlink(folder / records.REQUEST)
-    os.chdir(request.cwd)
+    os.unlink(folder / name)
+    os.chdir(work.job.cwd if isinstance(work, Prepared) else work.cwd)
     out = LogWriter(folder)
     sink = RecordSink(folder, out, LogWriter(folder, part=records.METRICS))
     namespace: dict = {}  # the notebook's values as the host has them (kept cells read them too)
+    job_id = record.id
+
+    def running() -> None:
+        _tell(channel, Running(job_id))
+
     try:
-        record = run_job(session, store, record, request, sink, lambda: _tell(channel, Running(record.id)),
-                      namespace)
+        if isinstance(work, Prepared):
+            work.job.shared_fds = tuple(shared)  # the same files, in the same order, as ours
+            record = run_prepared(session.launcher, store, record, work, sink, running)
+        else:
+            record = run_job(session, store, record, work, sink, running, namespace)
         if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
             kept_record = record
             try:
@@ -132,14 +147,24 @@ def main() -> int:
     return 0
 
 
-def _wait_for_job(channel: socket.socket) -> tuple[Take | None, int]:
+def _wait_for_job(channel: socket.socket) -> tuple[Take | None, int, list[int]]:
+    """The kernel's Take, its record's lock fd and a prepared job's shared fds (they follow
+    in messages of their own past :data:`~taas.host.api.FDS_AT_ONCE`)."""
     while True:
-        data, fds, _, _ = socket.recv_fds(channel, 65536, 1)
+        data, fds, _, _ = socket.recv_fds(channel, 65536, FDS_AT_ONCE)
         if not data:
-            return None, -1  # the kernel closed its end (or died)
+            return None, -1, []  # the kernel closed its end (or died)
         message = decode(data)
         if isinstance(message, Take) and fds:
-            return message, fds[0]
+            shared = fds[1:]
+            while len(shared) < message.fds:
+                data, more, _, _ = socket.recv_fds(channel, 16, FDS_AT_ONCE)
+                if not data:
+                    break
+                shared += more
+            if len(shared) == message.fds:
+                return message, fds[0], shared
+            fds = [fds[0], *shared]  # fewer than told: not a job we could run as sent
         for fd in fds:
             os.close(fd)
 
@@ -162,18 +187,7 @@ def run_job(session, store, record, request: Request, sink: RecordSink, running,
     from taas.session import WARN, write_note
 
     registry.set_namespace_source(lambda: namespace)
-    started = {"done": False}
-
-    def on_state(state) -> None:
-        if not started["done"] and state.value in ("prefetching", "running"):
-            started["done"] = True
-            stats = session.last
-            store.write(record.replace(state=State.RUNNING, ranks=stats.world_size if stats else record.ranks,
-                                       device=stats.device if stats else ""))
-            log.debug("ranks running")
-            running()
-
-    session.on_state = on_state
+    session.on_state = _on_running(store, record, running, lambda: session.last)
     HISTORY.observers.append(sink.metrics)
     kept = State.KEPT
     try:
@@ -191,6 +205,67 @@ def run_job(session, store, record, request: Request, sink: RecordSink, running,
     finally:
         session.on_state = None
         HISTORY.observers.remove(sink.metrics)
+
+
+def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, running):
+    """A job the kernel prepared (:class:`Prepared`: made as an attached cell's is), to its end
+    on ``launcher`` with the supervisor an attached job has; its final record (``running()``:
+    once the ranks run).  Its shared fds are closed however it ends."""
+    import linecache
+
+    from taas import cellrun
+    from taas.host.cells import returned
+    from taas.job import results
+    from taas.job.api import JobStats
+    from taas.job.metrics import HISTORY
+    from taas.job.results import CellResult
+    from taas.session import WARN, write_note
+    from taas.supervisor.supervisor import Supervisor
+
+    job = prepared.job
+    linecache.cache.update(prepared.sources)  # the cells' lines, quoted by tracebacks and stacks
+    stats = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend)
+    on_state = _on_running(store, record, running, lambda: stats)
+    plot, on_metrics = cellrun.live_plot(job, sink)
+    HISTORY.observers.append(sink.metrics)
+    supervisor = Supervisor(launcher, job, sink, name_for=prepared.labels.get, on_state=on_state,
+                            on_metrics=on_metrics)
+    try:
+        outcome = supervisor.run()
+        cellrun.succeeded(job, outcome, job.data, stats, sink)
+        back = (results.load(results.decode(outcome.result), None)
+                if job.policy.results and outcome.result is not None else CellResult())
+        store.put(record.id, records.RESULTS, pickle.dumps(returned(back, sink)))
+        return _now(store, record).replace(state=State.DONE, has_results=True)
+    except KeyboardInterrupt:
+        write_note(sink, f"taas: job {record.id} cancelled: every process stopped", WARN)
+        return _now(store, record).replace(state=State.CANCELLED, cause="cancelled")
+    except BaseException as exc:  # the record must say why, whatever it was
+        _failed(store, record, failure_of(exc))
+        return _now(store, record).replace(state=State.FAILED, cause=cause_of(exc))
+    finally:
+        HISTORY.observers.remove(sink.metrics)
+        plot.close()
+        for fd in job.shared_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _on_running(store, record, running, stats):
+    """The supervisor's ``on_state``: the record says running (with the job's size, ``stats()``)
+    and the kernel is told, once, when the ranks run."""
+    started = {"done": False}
+
+    def on_state(state) -> None:
+        if not started["done"] and state.value in ("prefetching", "running"):
+            started["done"] = True
+            now = stats()
+            store.write(record.replace(state=State.RUNNING, ranks=now.world_size if now else record.ranks,
+                                       device=now.device if now else ""))
+            log.debug("ranks running")
+            running()
+
+    return on_state
 
 
 def _now(store, record):

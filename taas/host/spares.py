@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from taas.host.api import Fork, Running, Take, decode, encode
+from taas.host.api import FDS_AT_ONCE, Fork, Running, Take, decode, encode
 from taas.jobs.store import JobError, Store
 
 # After a detached job starts, its first moments are its own: the next spare is forked this
@@ -196,8 +196,13 @@ class _Spare:
     def alive(self) -> bool:
         return (self.process is None or self.process.poll() is None) and not _peer_gone(self.sock)
 
-    def give(self, folder: pathlib.Path, lock: int) -> None:
-        socket.send_fds(self.sock, [encode(Take(str(folder)))], [lock])
+    def give(self, folder: pathlib.Path, lock: int, fds=()) -> None:
+        """The job in ``folder``, its record's ``lock`` (held for the host from now on) and a
+        prepared job's shared files ``fds``."""
+        fds = list(fds)
+        socket.send_fds(self.sock, [encode(Take(str(folder), len(fds)))], [lock, *fds[:FDS_AT_ONCE - 1]])
+        for at in range(FDS_AT_ONCE - 1, len(fds), FDS_AT_ONCE):  # SCM_RIGHTS carries 253 at most
+            socket.send_fds(self.sock, [b"F"], fds[at:at + FDS_AT_ONCE])
 
     def wait(self, timeout: float) -> Running | None:
         """The host's next word within ``timeout`` s; ``Running(ended=True)`` if it is gone."""

@@ -1,0 +1,42 @@
+"""The kernel's side of starting a detached job on this machine (``--detach``).
+
+A job that is not kept is made by the kernel's Session exactly as an attached cell's is (the
+cell read, its values shipped, its GPUs leased: :meth:`taas.session.Session.detached_job`) and
+handed to a job host as it is, with its shared files (:class:`~taas.host.api.Prepared`); the
+host runs it with the supervisor an attached job has (:func:`taas.host.main.run_prepared`).
+A ``--keep --detach`` job goes as a :class:`~taas.host.api.Request`: its host makes the job with
+a Session of its own, which then serves the kept ranks' later cells (taas.host.kept).
+"""
+
+from __future__ import annotations
+
+import linecache
+
+from taas.host import client
+from taas.host.api import Prepared
+from taas.jobs.api import JobRecord
+
+
+def start_here(session, store, source: str, namespace: dict, options, *, line: str, filename: str, text: str,
+               hidden: frozenset, name_for, notebook: str, hashed: str, sink, hosts) -> JobRecord:
+    """Start the cell's detached job under one of ``hosts``; its record once its ranks run
+    (see :func:`taas.host.client.start`).  ``line``: the directive's options as typed."""
+    if options.keep is not None:
+        request = client.request_for(source, namespace, line, filename=filename, text=text,
+                                     label=name_for(filename), first_line=2, hidden=hidden, name_for=name_for)
+        return client.start(store, request, ranks=options.gpus or 0, where="this machine", notebook=notebook,
+                            sink=sink, hosts=hosts, hashed=hashed)
+    job_id = client.fresh_id(store)
+
+    def hand_over(job) -> JobRecord:
+        # The notebook's cells (linecache's entries with no file behind them): what the host's
+        # tracebacks and stacks quote, and how each is named ("Cell In[7]").
+        sources = {name: entry for name, entry in list(linecache.cache.items())
+                   if len(entry) == 4 and entry[1] is None}
+        labels = {name: label for name in sources if (label := name_for(name))}
+        return client.start(store, Prepared(job, sources, labels), ranks=job.world.size, where="this machine",
+                            notebook=notebook, sink=sink, hosts=hosts, hashed=hashed, job_id=job_id)
+
+    return session.detached_job(source, namespace, options, job_name=job_id, hand_over=hand_over,
+                                filename=filename, first_line=2, sink=sink, hidden=hidden, name_for=name_for,
+                                text=text)
