@@ -142,9 +142,9 @@ class TaasMagics(Magics):
                       "(--fresh starts a new one)")
                 return self._attach(copy.id, store, launcher=launcher)
             hidden = frozenset(self.shell.user_ns_hidden)
-            if launcher is None:
-                from taas.host import detach
+            from taas.host import detach
 
+            if launcher is None:
                 record = detach.start_here(self.session, store, source, self.shell.user_ns, options, line=line,
                                            filename=filename, text=cell, hidden=hidden, name_for=self._name_for,
                                            notebook=notebook, hashed=whole, sink=sink or TerminalSink(),
@@ -154,7 +154,7 @@ class TaasMagics(Magics):
                 from taas.host.ray.spares import ClusterSpares
 
                 self.cluster_spares = self.cluster_spares or ClusterSpares()
-                request = client.request_for(source, self.shell.user_ns, line, filename=filename, text=cell,
+                request = detach.request_for(source, self.shell.user_ns, line, filename=filename, text=cell,
                                              label=self._name_for(filename), first_line=2, hidden=hidden,
                                              name_for=self._name_for)
                 record = cluster_jobs.start(launcher, store, request, ranks=options.gpus or 0, notebook=notebook,

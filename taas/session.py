@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from taas import cellrun, directive
 from taas.errors import DirectiveError, KeptRanksGone, LaunchError
 from taas.io import keys
-from taas.io.output import INFO, WARN, Sink, TerminalSink
+from taas.io.output import INFO, WARN, Recording, Sink, TerminalSink
 from taas.io.output import note as write_note
 from taas.job import package, results
 from taas.job import metrics as job_metrics  # noqa: F401 - also how taas.log / taas.metrics reach it (taas/__init__.py)
@@ -256,17 +256,24 @@ class Session(KeptRanks):
                      hand_over, filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
                      hidden: frozenset = frozenset(), name_for=None, text: str | None = None):
         """``--detach`` here: the cell made into a Job as an attached cell's is (GPUs leased for
-        ``job_name``; rank 0's results inline: no kernel reads a channel), then what
-        ``hand_over(job)`` says (it gives the job and its files to a job host, whose launcher
-        removes the big values' files at the end; if it raised, they go now)."""
+        ``job_name``; rank 0's results inline), then what ``hand_over(job, lines, seen)`` says:
+        it gives the job, its files and its record's first ``lines`` (the first ``seen`` shown
+        by the cell) to a job host, whose launcher
+        removes the big values' files at the end (if it raised, they go now)."""
         if not self._running.acquire(blocking=False):
             raise self._busy()
         name, self.job_name = self.job_name, job_name
-        big = None
+        big, shown = None, Recording(sink or TerminalSink())
         try:
             job, _, big = self._job(self.launcher, working_directory(), source, filename, first_line, namespace,
-                                    options, sink or TerminalSink(), hidden, name_for, text=text, channel=False)
-            said = hand_over(job)
+                                    options, shown, hidden, name_for, text=text, channel=False)
+            # Its record starts with the notes the cell showed, then the device's if the cell
+            # did not (a viewer elsewhere never saw this kernel's earlier cells).
+            seen = len(shown.lines)
+            note = directive.resolve_world(options, self.launcher.cuda_devices(), self.launcher.where)[3]
+            if note and not any(note in text for _, text in shown.lines):
+                shown.lines.append((INFO, f"{note}\n"))
+            said = hand_over(job, tuple(shown.lines), seen)
             big.paths = []  # the host's now (its launcher's cleanups remove them)
             return said
         finally:

@@ -226,9 +226,9 @@ def run_cell(adopted: Adopted, source: str, namespace: dict, options: str, sink,
     """A notebook cell on ``adopted`` kept ranks, shown on ``sink`` as it runs: rank 0's names,
     Out[], has_out and notes (:func:`taas.host.client.load`); the host holds what it sent and
     what came back, so neither is sent again while unchanged."""
-    from taas.host import client
+    from taas.host import client, detach
 
-    request = client.request_for(source, namespace, options, filename=filename, label=label, first_line=2,
+    request = detach.request_for(source, namespace, options, filename=filename, label=label, first_line=2,
                                  hidden=hidden, name_for=name_for, held=adopted.held, text=text)
     loaded = client.load(adopted.run(request, sink, getattr(sink, "updates_in_place", True), on_metrics))
     adopted.held.remember(loaded[0])

@@ -57,6 +57,7 @@ class Prepared:
     job: Any  # taas.job.api.Job, its shared_fds left out (they travel as SCM_RIGHTS with Take)
     sources: dict = field(default_factory=dict)  # the notebook's cells' linecache entries
     labels: dict = field(default_factory=dict)  # a cell's file name -> how tracebacks name it
+    shown: tuple = ()  # (stream, text): the notes the kernel's cell showed as it made the job
 
 
 @dataclass(frozen=True)

@@ -66,14 +66,15 @@ def running_copy(store: Store, source: str, notebook: str) -> JobRecord | None:
 
 
 def start(store: Store, work: Request | Prepared, *, ranks: int, where: str, notebook: str, sink,
-          hosts=None, hashed: str | None = None, job_id: str | None = None) -> JobRecord:
+          hosts=None, hashed: str | None = None, job_id: str | None = None, skip: int = 0) -> JobRecord:
     """Start ``work`` under a job host (``hosts``' warm spare, else a new one) and show its
     output until the ranks run; its record then.  ``work``: a job the kernel prepared (its
     shared files go to the host with it), or a Request for the host's own Session.  A job that
     ends before (a launch error, a failure in the first seconds) raises what an attached cell
     would; an interrupt meanwhile cancels it.  ``hashed``: the text that identifies the cell
     (its options and body; default: the body), for :func:`running_copy`; ``job_id``: the
-    record's id (default: a fresh one, :func:`fresh_id`)."""
+    record's id (default: a fresh one, :func:`fresh_id`); ``skip``: how many of its first
+    output records ``sink`` showed already."""
     hosts = hosts or Hosts()
     if isinstance(work, Prepared):
         job = work.job
@@ -96,7 +97,7 @@ def start(store: Store, work: Request | Prepared, *, ranks: int, where: str, not
         raise LaunchError(f"taas: could not hand job {record.id} to a job host: {exc}") from None
     finally:
         os.close(lock)
-    follower = Follower(store, record.id, sink)
+    follower = Follower(store, record.id, sink, skip=skip)
     try:
         while True:
             follower.step()
@@ -141,8 +142,9 @@ class Follower:
     """Shows a job's record on ``sink`` (a notebook's, or a terminal's) as the job writes it."""
 
     def __init__(self, store: Store, job_id: str, sink, *, latest: int | None = None,
-                 on_metrics: Callable | None = None):
+                 on_metrics: Callable | None = None, skip: int = 0):
         self.store = store
+        self.skip = skip  # the first output records, which the sink has shown already
         self.job_id = job_id
         self.sink = sink
         # Where the job's output is read (its source): this machine's record folder, or what
@@ -175,6 +177,8 @@ class Follower:
         items = self.reader.read(with_index=True)
         if self.budget is not None:
             items, self.budget = _latest(items, self.budget), None
+        if self.skip:
+            items, self.skip = items[self.skip:], max(0, self.skip - len(items))
         for item in items:
             self._show(item)
         if self.on_metrics is not None:
@@ -377,28 +381,3 @@ def load(returned: Returned) -> tuple[dict, object, bool, list[str]]:
 
 __all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel", "follow", "load",
            "raise_failure", "running_copy", "start", "take"]
-
-
-def request_for(source: str, namespace: dict, options: str, *, filename: str, label: str | None,
-                first_line: int, hidden: frozenset = frozenset(), name_for=None, held=None,
-                text: str | None = None) -> Request:
-    """The cell as a host's Request: everything that can refuse it before a host starts fails
-    here, as for an attached cell (a syntax error, a value that cannot be shipped).  ``held``
-    (adopted kept ranks, :class:`taas.host.adopt.Held`): the values their host already holds
-    as the notebook has them are left out, and the ones sent are noted there."""
-    from taas.data import registry
-    from taas.job import package
-    from taas.cellrun import read_cell
-    from taas.workdir.cwd import working_directory
-
-    cwd = working_directory()
-    _, values = read_cell(source, namespace, filename, first_line, hidden, name_for)
-    if held is not None:
-        values = held.lacking(values)
-    loaders = {}
-    for name, value in values.items():
-        entry = registry.entry(value)
-        if entry is not None:
-            loaders[name] = (entry.prefetch, entry.buffer_mb)
-    return Request(source=source, options=options, names=package.ship(values), filename=filename,
-                   label=label, first_line=first_line, cwd=cwd, loaders=loaders, text=text)

@@ -4,8 +4,10 @@ A job that is not kept is made by the kernel's Session exactly as an attached ce
 cell read, its values shipped, its GPUs leased: :meth:`taas.session.Session.detached_job`) and
 handed to a job host as it is, with its shared files (:class:`~taas.host.api.Prepared`); the
 host runs it with the supervisor an attached job has (:func:`taas.host.main.run_prepared`).
-A ``--keep --detach`` job goes as a :class:`~taas.host.api.Request`: its host makes the job with
-a Session of its own, which then serves the kept ranks' later cells (taas.host.kept).
+A ``--keep --detach`` job goes as a :class:`~taas.host.api.Request` (:func:`request_for`): its
+host makes the job with a Session of its own, which then serves the kept ranks' later cells
+(taas.host.kept); so does a job on a Ray cluster (taas.host.ray), and an adopted kept ranks'
+cell (adopt.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import linecache
 
 from taas.host import client
-from taas.host.api import Prepared
+from taas.host.api import Prepared, Request
 from taas.jobs.api import JobRecord
 
 
@@ -22,21 +24,47 @@ def start_here(session, store, source: str, namespace: dict, options, *, line: s
     """Start the cell's detached job under one of ``hosts``; its record once its ranks run
     (see :func:`taas.host.client.start`).  ``line``: the directive's options as typed."""
     if options.keep is not None:
-        request = client.request_for(source, namespace, line, filename=filename, text=text,
+        request = request_for(source, namespace, line, filename=filename, text=text,
                                      label=name_for(filename), first_line=2, hidden=hidden, name_for=name_for)
         return client.start(store, request, ranks=options.gpus or 0, where="this machine", notebook=notebook,
                             sink=sink, hosts=hosts, hashed=hashed)
     job_id = client.fresh_id(store)
 
-    def hand_over(job) -> JobRecord:
+    def hand_over(job, shown: tuple, seen: int) -> JobRecord:
         # The notebook's cells (linecache's entries with no file behind them): what the host's
         # tracebacks and stacks quote, and how each is named ("Cell In[7]").
         sources = {name: entry for name, entry in list(linecache.cache.items())
                    if len(entry) == 4 and entry[1] is None}
         labels = {name: label for name in sources if (label := name_for(name))}
-        return client.start(store, Prepared(job, sources, labels), ranks=job.world.size, where="this machine",
-                            notebook=notebook, sink=sink, hosts=hosts, hashed=hashed, job_id=job_id)
+        return client.start(store, Prepared(job, sources, labels, shown), ranks=job.world.size, where="this machine",
+                            notebook=notebook, sink=sink, hosts=hosts, hashed=hashed, job_id=job_id,
+                            skip=seen)  # the cell showed those lines already
 
     return session.detached_job(source, namespace, options, job_name=job_id, hand_over=hand_over,
                                 filename=filename, first_line=2, sink=sink, hidden=hidden, name_for=name_for,
                                 text=text)
+
+
+def request_for(source: str, namespace: dict, options: str, *, filename: str, label: str | None,
+                first_line: int, hidden: frozenset = frozenset(), name_for=None, held=None,
+                text: str | None = None) -> Request:
+    """The cell as a host's Request: everything that can refuse it before a host starts fails
+    here, as for an attached cell (a syntax error, a value that cannot be shipped).  ``held``
+    (adopted kept ranks, :class:`taas.host.adopt.Held`): the values their host already holds
+    as the notebook has them are left out, and the ones sent are noted there."""
+    from taas.data import registry
+    from taas.job import package
+    from taas.cellrun import read_cell
+    from taas.workdir.cwd import working_directory
+
+    cwd = working_directory()
+    _, values = read_cell(source, namespace, filename, first_line, hidden, name_for)
+    if held is not None:
+        values = held.lacking(values)
+    loaders = {}
+    for name, value in values.items():
+        entry = registry.entry(value)
+        if entry is not None:
+            loaders[name] = (entry.prefetch, entry.buffer_mb)
+    return Request(source=source, options=options, names=package.ship(values), filename=filename,
+                   label=label, first_line=first_line, cwd=cwd, loaders=loaders, text=text)

@@ -223,6 +223,8 @@ def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, 
     from taas.supervisor.supervisor import Supervisor
 
     job = prepared.job
+    for stream, text in prepared.shown:  # the record starts with what the detaching cell showed
+        sink.write(stream, text)
     linecache.cache.update(prepared.sources)  # the cells' lines, quoted by tracebacks and stacks
     stats = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend)
     on_state = _on_running(store, record, running, lambda: stats)

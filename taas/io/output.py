@@ -307,6 +307,22 @@ class OutputRouter:
                 held.clear()
 
 
+class Recording:
+    """A Sink that shows everything in ``sink`` and keeps what was written (``lines``, as
+    ``(stream, text)``): a detached job's notes from its preparation, for its record."""
+
+    def __init__(self, sink: Sink):
+        self.sink = sink
+        self.lines: list[tuple[str, str]] = []
+
+    def write(self, stream: str, text: str) -> None:
+        self.lines.append((stream, text))
+        self.sink.write(stream, text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sink, name)
+
+
 class TerminalSink:
     """Plain Python (no notebook): lines to sys.stdout/sys.stderr, progress with \\r."""
 

@@ -106,6 +106,22 @@ def test_lines_and_displays_in_order(store, host):
     assert fake.take() == [("write", "stdout", "epoch 3\n")]
 
 
+def test_the_detaching_cell_skips_the_notes_it_showed_itself_whenever_they_arrive(store, host):
+    host.write("stderr", "taas: a note the cell showed\n")
+    fake = FakeSink()
+    follower = Follower(store, JOB, fake, skip=2)
+    follower.step()
+    assert fake.take() == []  # one of the two is in the log so far
+    host.write("stderr", "taas: the second note the cell showed\n")
+    host.write("stdout", "epoch 1\n")
+    follower.step()
+    assert fake.take() == [("write", "stdout", "epoch 1\n")]
+    fresh = FakeSink()  # any later viewer sees them all
+    Follower(store, JOB, fresh).step()
+    assert [call[2] for call in fresh.take()] == ["taas: a note the cell showed\n",
+                                                  "taas: the second note the cell showed\n", "epoch 1\n"]
+
+
 def test_a_finished_progress_bar_is_its_final_line_only(store, host):
     for done in range(0, 101, 10):
         host.progress("bar0", "stderr", f"{done}%", final=done == 100)

@@ -39,7 +39,7 @@ def test_a_job_prepared_by_the_kernel_runs_in_its_host_as_it_is_its_big_value_by
     big = torch.ones(1 << 19, dtype=torch.float64)  # 4 MiB: past the big values' threshold
     seen: dict = {}
 
-    def hand_over(job):  # what client.start and the host's main() do, in one process
+    def hand_over(job, shown, showed):  # what client.start and the host's main() do, in one process
         seen["fds"], seen["pickled"], seen["id"] = len(job.shared_fds), len(job.payload.names), job.job_id
         record = JobRecord(id="abc123", state=State.WAITING, ranks=job.world.size, where="this machine",
                            started=time.time())
@@ -48,7 +48,7 @@ def test_a_job_prepared_by_the_kernel_runs_in_its_host_as_it_is_its_big_value_by
         out = LogWriter(folder)
         sink = RecordSink(folder, out, LogWriter(folder, part=records.METRICS))
         try:
-            return main.run_prepared(host.launcher, store, record, Prepared(job), sink,
+            return main.run_prepared(host.launcher, store, record, Prepared(job, shown=shown), sink,
                                      lambda: seen.setdefault("running", True))
         finally:
             sink.close()
