@@ -258,10 +258,11 @@ class Session(KeptRanks):
         """``--detach`` here: the cell made into a Job as an attached cell's is (GPUs leased for
         ``job_name``; rank 0's results inline), then what ``hand_over(job, lines, seen)`` says:
         it gives the job, its files and its record's first ``lines`` (the first ``seen`` shown
-        by the cell) to a job host, whose launcher
-        removes the big values' files at the end (if it raised, they go now)."""
+        by the cell) to a job host, whose launcher removes the big values' files at the end
+        (if it raised, they go now)."""
         if not self._running.acquire(blocking=False):
             raise self._busy()
+        self._running_since = time.strftime("%H:%M:%S")
         name, self.job_name = self.job_name, job_name
         big, shown = None, Recording(sink or TerminalSink())
         try:
@@ -271,7 +272,7 @@ class Session(KeptRanks):
             # did not (a viewer elsewhere never saw this kernel's earlier cells).
             seen = len(shown.lines)
             note = directive.resolve_world(options, self.launcher.cuda_devices(), self.launcher.where)[3]
-            if note and not any(note in text for _, text in shown.lines):
+            if note and not any(note in line for _, line in shown.lines):
                 shown.lines.append((INFO, f"{note}\n"))
             said = hand_over(job, tuple(shown.lines), seen)
             big.paths = []  # the host's now (its launcher's cleanups remove them)
