@@ -92,7 +92,7 @@ def main() -> int:
     session.job_name = record.id  # the GPU leases name the job as `taas jobs` does
     store.write(record)
     # A job the kernel prepared (as an attached cell's), else a cell for our Session to make one of.
-    name = records.PREPARED if take.fds or (folder / records.PREPARED).exists() else records.REQUEST
+    name = records.PREPARED if (folder / records.PREPARED).exists() else records.REQUEST
     try:
         work: Prepared | Request = pickle.loads((folder / name).read_bytes())
     except Exception as exc:  # broad: unpickling a job can raise anything; the record must say it
