@@ -55,11 +55,19 @@ def run(launcher, tmp_path, entry, n=2, env=None, timeout=300.0, stop_after=None
     return pids, exits, output
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie; one that exits while we look is gone (no NoSuchProcess race)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def assert_gone(pids, timeout=5.0):
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if _running(p)]
         time.sleep(0.05)
     assert not alive, f"processes survived: {alive}"
 
