@@ -67,6 +67,14 @@ def returned(result, sink) -> Returned:
     return Returned(values, out, result.has_out and out is not None, tuple(notes))
 
 
+def cell_sources() -> dict:
+    """The notebook's cells as linecache holds them (entries with no file behind them): what a
+    host's tracebacks and stacks quote the cells' lines from."""
+    import linecache
+
+    return {name: entry for name, entry in list(linecache.cache.items()) if len(entry) == 4 and entry[1] is None}
+
+
 def failure_of(exc: BaseException) -> Failure:
     """What the notebook shows for ``exc``, the cell's exception."""
     if isinstance(exc, KeyboardInterrupt):

@@ -12,10 +12,9 @@ cell (adopt.py).
 
 from __future__ import annotations
 
-import linecache
-
 from taas.host import client
 from taas.host.api import Prepared, Request
+from taas.host.cells import cell_sources
 from taas.jobs.api import JobRecord
 
 
@@ -31,10 +30,7 @@ def start_here(session, store, source: str, namespace: dict, options, *, line: s
     job_id = client.fresh_id(store)
 
     def hand_over(job, shown: tuple, seen: int) -> JobRecord:
-        # The notebook's cells (linecache's entries with no file behind them): what the host's
-        # tracebacks and stacks quote, and how each is named ("Cell In[7]").
-        sources = {name: entry for name, entry in list(linecache.cache.items())
-                   if len(entry) == 4 and entry[1] is None}
+        sources = cell_sources()  # the notebook's cells, and how each is named ("Cell In[7]")
         labels = {name: label for name in sources if (label := name_for(name))}
         return client.start(store, Prepared(job, sources, labels, shown), ranks=job.world.size, where="this machine",
                             notebook=notebook, sink=sink, hosts=hosts, hashed=hashed, job_id=job_id,

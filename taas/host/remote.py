@@ -38,6 +38,7 @@ import time
 from taas.errors import LaunchError, RenderedError
 from taas.host import channel
 from taas.host.adopt import _failure, _noting
+from taas.host.cells import cell_sources
 from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall, Metrics,
                            RunJob, Show)
 from taas.job import crossing
@@ -83,10 +84,7 @@ class KernelHost:
     def fresh_sources(self) -> dict:
         """The notebook's cells (linecache's entries with no file behind them) the host has not
         been sent yet: what its tracebacks and stacks quote the cells' lines from."""
-        import linecache
-
-        fresh = {name: entry for name, entry in list(linecache.cache.items())
-                 if len(entry) == 4 and entry[1] is None and name not in self._sent}
+        fresh = {name: entry for name, entry in cell_sources().items() if name not in self._sent}
         self._sent.update(fresh)
         return fresh
 
