@@ -8,11 +8,13 @@ and stays single-threaded.  For each :class:`~taas.host.api.Fork` it forks a job
 forks its start process in turn (:mod:`taas.launch.local.forkstart`), with everything already
 imported::
 
-    kernel ──Fork(env) + [host socket, log]──> zygote ──fork, fork──> job host (its own session;
-                                                        not our child)   └──fork──> guard ──> start process
+    kernel ──Fork(env) + [host socket, log]──> zygote ──fork──> job host (its own session)
+                                                                   └──fork──> guard ──> start process
 
-The host is a grandchild that the middle child leaves at once, so it is nobody's child here and
-outlives us as a host started by ``subprocess`` outlives its kernel.  The zygote ends when the
+The host is the zygote's child, in a session of its own; the zygote ignores SIGCHLD, so the
+system reaps a host that ends while the zygote lives, and a host that outlives the zygote is
+re-parented as any orphan (one fork, not the classic two: each fork and exit of a process that
+holds torch costs tens of milliseconds of page tables here).  The zygote ends when the
 kernel's end of its socket closes (the kernel's exit, restart or death, ``%unload_ext``).
 """
 
@@ -22,6 +24,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -47,6 +50,9 @@ def _serve(channel: socket.socket) -> int:
     from taas.session import Session
 
     Session.preload_for_fork()  # torch and the rank runtime, as a start process has them
+    # The hosts we fork are ours to reap, but we never wait for them: ignoring SIGCHLD has the
+    # system reap each one as it ends, so none lingers as a zombie while we live.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     gc.freeze()  # what every host and start process shares: never walked (and copied) by their GC
     while True:
         try:
@@ -66,15 +72,11 @@ def _serve(channel: socket.socket) -> int:
 
 
 def _fork_host(message: Fork, host_fd: int, log_fd: int, channel: socket.socket, host_main) -> None:
-    middle = os.fork()
-    if middle:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(middle, 0)
-        return
-    try:  # the middle child, then the host: never back into the loop above
+    if os.fork():
+        return  # reaped by the system when it ends (SIGCHLD ignored, _serve)
+    try:  # the host: never back into the loop above
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its own children it waits for
         os.setsid()  # a session of its own: no terminal, no signal meant for the kernel's group
-        if os.fork():
-            os._exit(0)
         channel.close()
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)

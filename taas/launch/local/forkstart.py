@@ -6,7 +6,7 @@ runs one thread can fork it instead, in milliseconds::
 
     warm process (one thread) ──fork──> guard ──fork──> start process (torch already imported)
                                           └─ exec: a fresh small interpreter that only watches
-                                             (``python -m taas.launch.local.guard``)
+                                             (``python -I -S``, running ``taas.launch.local.guard``)
 
 The guard keeps what it is when the launcher starts it as ``python -m taas.launch.local.starter``
 (:mod:`taas.launch.local.guard`): the parent of the start process, a child subreaper with the
@@ -72,7 +72,8 @@ def fork_guard(fd: int, package_root: str) -> ForkedGuard:
         _keep_only(fd)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         gc.freeze()  # the start process forks ranks: keep their collector off these pages too
-        guard.main(fd, parent, starter.start_process, watch=_exec_watch)
+        guard.main(fd, parent, starter.start_process,
+                   watch=lambda start, kernel: _exec_watch(start, kernel, package_root))
     except BaseException:
         traceback.print_exc()
     finally:
@@ -94,9 +95,13 @@ def _keep_only(fd: int) -> None:
                 pass  # the listing's own descriptor, already closed
 
 
-def _exec_watch(starter_pid: int, kernel: int) -> None:
-    """The guard's life, in a fresh small interpreter (the same process: exec)."""
-    os.execv(sys.executable, [sys.executable, "-m", "taas.launch.local.guard", str(starter_pid), str(kernel)])
+def _exec_watch(starter_pid: int, kernel: int, package_root: str) -> None:
+    """The guard's life, in a fresh small interpreter (the same process: exec).  Isolated and
+    without ``site`` (``-I -S``): it needs the standard library and taas alone, and starts in
+    half the time (no site-packages scan, no editable-install finders)."""
+    code = (f"import sys; sys.path.insert(0, {package_root!r}); import runpy; "
+            "runpy.run_module('taas.launch.local.guard', run_name='__main__', alter_sys=True)")
+    os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", code, str(starter_pid), str(kernel)])
 
 
 class ForkedGuard:

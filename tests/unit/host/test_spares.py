@@ -1,5 +1,6 @@
 """A kernel's job hosts ahead of need (taas.host.spares, taas.host.zygote), with real processes:
-detached jobs back to back run on hosts the zygote forked, hosts that are nobody's child here;
+detached jobs back to back run on hosts the zygote forked (its children, in sessions of their own,
+reaped by the system as they end);
 a zygote that is gone costs a fresh host, not the job; closing ends the zygote, leaving no log."""
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, 
                                 notebook="nb", sink=Recorder(), hosts=hosts) for i in range(2)]
         for record in records:  # both run at once, each on a host of its own
             host = psutil.Process(store.read(record.id).host_pid)
-            assert host.ppid() != os.getpid()  # forked by the zygote's middle child: not ours
+            assert host.ppid() == zygote.process.pid  # forked by the zygote: not ours
             assert "taas.host.zygote" in " ".join(host.cmdline())
+            assert os.getsid(host.pid) == host.pid  # in a session of its own
         assert len({store.read(r.id).host_pid for r in records}) == 2
         go.touch()
         for i, record in enumerate(records):
             sink = Recorder()
             assert client.follow(store, record.id, sink).state is State.DONE
             assert f"job {i}" in sink.text()
+        ended = [psutil.Process(store.read(r.id).host_pid) for r in records]
+        _, alive = psutil.wait_procs(ended, timeout=60)
+        assert alive == []  # the hosts ended, and the zygote left no zombie of them:
+        assert not {p.pid for p in ended} & {c.pid for c in psutil.Process(zygote.process.pid).children()}
         os.kill(zygote.process.pid, signal.SIGKILL)  # gone: the next host is a fresh interpreter
         zygote.process.wait()
         ready = hosts.take(store)  # the spare forked after the last job lives on without it

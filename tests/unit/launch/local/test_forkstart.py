@@ -62,7 +62,9 @@ def test_a_warm_process_forks_a_small_guard_and_a_warm_start_process_that_end_wi
         assert facts["forked"] and not facts["env"]  # the flag is taken out once read
         guard, starter, rank = (psutil.Process(facts[k]) for k in ("guard", "starter", "rank"))
         assert guard.ppid() == warm.pid and starter.ppid() == guard.pid
-        assert guard.cmdline()[1:3] == ["-m", "taas.launch.local.guard"]  # exec'd: a fresh interpreter
+        command = guard.cmdline()  # exec'd: a fresh small interpreter, isolated, without site
+        assert command[1:4] == ["-I", "-S", "-c"] and "'taas.launch.local.guard'" in command[4]
+        assert command[5:] == [str(starter.pid), str(warm.pid)]
         with open(f"/proc/{guard.pid}/maps") as maps:
             assert "libtorch" not in maps.read()  # the guard never holds torch
         with open(f"/proc/{starter.pid}/maps") as maps:
