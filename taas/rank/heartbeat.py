@@ -19,7 +19,10 @@ Everything here is cheap (a frame walk and two psutil reads: well under a millis
 nothing here stops or slows the main thread; a sample that fails is skipped, never fatal.
 The thread is started once per process and serves every cell of a kept rank: a cell's start
 only hands it the cell (starting a thread per cell made the main thread wait for the new
-thread to run, about a millisecond per kept cell on a busy machine).
+thread to run, about a millisecond per kept cell on a busy machine).  Neither a cell's start
+nor its stop wakes the thread while it already waits for a beat that is due: it finds the
+cell that is current then (each wake costs the main thread the GIL back, with 4 ranks on 2
+cores a fraction of a millisecond per kept cell); only a thread idle between cells is woken.
 """
 
 from __future__ import annotations
@@ -56,9 +59,10 @@ class _Cell:
 
 _cell: _Cell | None = None  # the cell being beaten for (each start has its own: see start)
 # The beating thread of this process (None: not started, or started before a fork), and the
-# cells it is handed, in turn.
+# cells it is handed, in turn, when it waits for none (``_idle``: under ``_sending``).
 _thread: threading.Thread | None = None
 _cells: queue.SimpleQueue = queue.SimpleQueue()
+_idle = False
 
 
 def start(filename: str, device: str) -> None:
@@ -66,33 +70,52 @@ def start(filename: str, device: str) -> None:
     A kept rank calls it again for each cell, after :func:`stop` at the end of the last one:
     between cells it sends nothing (nobody reads its events then).  Each cell has its own
     :class:`_Cell`, so a kept rank's next cell never revives the beats of the one before."""
-    global _cell
+    global _cell, _idle
     cell = _Cell(threading.get_ident(), filename, device, time.monotonic() + INTERVAL)
+    _running.clear()
+    beater = _beater()
     with _sending:
         if _cell is not None:
             _cell.stopped = True  # an earlier cell's beats end (a start without a stop)
         _cell = cell
-    _running.clear()
-    _beater().put(cell)
+        # A thread waiting for an earlier cell's beat finds this cell then (that beat is due
+        # before this one's first): only an idle thread needs the wake.
+        wake, _idle = _idle, False
+    if wake:
+        beater.put(cell)
 
 
 def _beater() -> queue.SimpleQueue:
     """The queue of this process's beating thread, started on first use (a forked process
     has none of its parent's threads: it starts its own, with a queue of its own)."""
-    global _thread, _cells
+    global _thread, _cells, _idle
     if _thread is None or not _thread.is_alive():
         _cells = queue.SimpleQueue()
+        with _sending:
+            _idle = True  # it starts waiting for its first cell
         _thread = threading.Thread(target=_serve, args=(_cells,), name="taas-heartbeat", daemon=True)
         _thread.start()
     return _cells
 
 
 def _serve(cells: queue.SimpleQueue) -> None:
-    """The beating thread: each cell handed over in turn, beaten until it is over; between
-    cells it waits for the next one (it wakes for nothing else)."""
+    """The beating thread: each cell beaten until it is over, then the one current then;
+    with none, it waits to be handed the next one (it wakes for nothing else)."""
     cell = cells.get()
     while True:
         cell = _beat(cell, cells)
+
+
+def _next(cell: _Cell, cells: queue.SimpleQueue) -> _Cell:
+    """The cell to beat for after ``cell`` (over): the current one, or the next one handed
+    over, waited for."""
+    global _idle
+    with _sending:
+        current = _cell
+        if current is not None and current is not cell and not current.stopped:
+            return current  # started while we waited for a beat: it was not handed over
+        _idle = True
+    return cells.get()
 
 
 _prompt: list[str] = []  # "debugger" or "input" while the main thread waits for the user
@@ -141,18 +164,15 @@ def gpu_memory(gpu: int | None) -> int | None:
 def _beat(cell: _Cell, cells: queue.SimpleQueue) -> _Cell:
     """Beat for ``cell`` until it is over; the next cell.  The first beat is due a second in:
     the panel shows from two seconds into a job, and a cell that ends sooner never pays for
-    psutil's import and a first sample.  A new cell handed over meanwhile (its start marked
-    this one over) is taken at once."""
+    psutil's import and a first sample.  A cell started meanwhile (its start marked this one
+    over) is taken when this one's beat is due, which is before that cell's first."""
     sampler = None
     while True:
         pause = cell.due - time.monotonic()
         if pause > 0:
-            try:
-                return cells.get(timeout=pause)
-            except queue.Empty:  # the beat is due
-                pass
+            time.sleep(pause)  # the beat is due then (nothing hands us a cell while we wait)
         if cell.stopped:
-            return cells.get()
+            return _next(cell, cells)
         try:
             if sampler is None:
                 sampler = Sampler(cell.main, cell.filename, cell.device)

@@ -237,9 +237,11 @@ class LocalJob(JobHandle):
             return "the job's processes were stopped"
         return None
 
-    def _ending(self) -> str | None:
-        """A kept rank whose process is ending (cells.ending), not reaped yet: it will run no cell."""
-        return cells.ending({k: self._pids[k] for k in self._kept_ranks() if k not in self._exited})
+    def _ending(self, ranks: list[str] | None = None) -> str | None:
+        """A kept rank (of ``ranks``, default all) whose process is ending (cells.ending), not
+        reaped yet: it will run no cell."""
+        ranks = self._kept_ranks() if ranks is None else ranks
+        return cells.ending({k: self._pids[k] for k in ranks if k not in self._exited})
 
     def _kept_ranks(self) -> list[str]:
         """The processes that are kept ranks: each made its cell FIFO."""
@@ -248,11 +250,12 @@ class LocalJob(JobHandle):
     def next_cell(self, files: dict[str, bytes], payload: str, result: str) -> None:
         # lost()'s checks, with the ranks' FIFOs opened once: the reachability check is the
         # opening of the FIFOs the cell then goes through (a FIFO with no reader fails to open).
-        lost = self._ended() or self._ending()
+        ranks = self._kept_ranks()
+        lost = self._ended() or self._ending(ranks)
         if lost is not None:
             raise KeptRanksGone(lost)
         try:
-            fds = cells.open_all(self.job_dir, self._kept_ranks())
+            fds = cells.open_all(self.job_dir, ranks)
         except OSError as exc:
             # Gone before its exit reached us (the start process reports it a moment later):
             # nothing was sent, so the cell can still run on fresh ranks.

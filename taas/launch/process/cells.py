@@ -150,16 +150,23 @@ def ending(pids: dict[str, int]) -> str | None:
     ``"KEY ended"``; None when every one lives.  A SIGKILLed rank's main thread ends first (the
     process shows as a zombie) while its other threads still hold its files, its FIFO among
     them, for a moment: :func:`unreachable` cannot see it yet, this can."""
-    import psutil
-
     for key, pid in pids.items():
-        try:
-            if psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                continue
-        except psutil.NoSuchProcess:
-            pass
+        if _state(pid) not in (None, "Z", "X"):
+            continue
         return f"{key} ended"
     return None
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (``R``, ``S``, ``Z``: a zombie, ...), or None if it is gone:
+    one read of ``/proc/PID/stat`` (a kept cell asks it of every rank, so no psutil object)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            data = stat.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # "PID (COMM) STATE ...": COMM may hold spaces and parentheses, so the last ")" ends it.
+    return data[data.rindex(b")") + 2:][:1].decode()
 
 
 def _open_all(job_dir: str, keys, fds: list[int]) -> None:

@@ -184,3 +184,36 @@ def test_a_forked_process_beats_with_a_thread_of_its_own(events_pipe, monkeypatc
             os._exit(0 if beat else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_cells_start_wakes_the_beating_thread_only_when_it_is_idle(events_pipe, monkeypatch):
+    """Kept cells back to back: the thread, waiting for a beat that is due, is not woken by the
+    next cell's start (it takes that cell when the beat is due, before the cell's own first);
+    a thread idle between cells is."""
+    monkeypatch.setattr(heartbeat, "INTERVAL", 0.2)
+    real, puts = heartbeat._beater, []
+
+    class Counting:
+        def __init__(self, cells):
+            self.cells = cells
+
+        def put(self, cell):
+            puts.append(cell)
+            self.cells.put(cell)
+
+    monkeypatch.setattr(heartbeat, "_beater", lambda: Counting(real()))
+    heartbeat.start("<taas cell 10>", "cpu")
+    handed = len(puts)  # 1 if the thread was idle, 0 if it still waited for an earlier cell's beat
+    heartbeat.start("<taas cell 11>", "cpu")  # the next cell, at once: the thread is not idle
+    assert len(puts) == handed
+    heartbeat.running()
+    _wait_for_beats(events_pipe, lambda beats: beats and beats[-1]["state"] == "running")  # it beats for it
+    heartbeat.stop()
+    deadline = time.monotonic() + 30
+    while not heartbeat._idle:  # its beat comes due, the cell is over: it waits, idle
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    _beats(events_pipe)
+    heartbeat.start("<taas cell 12>", "cpu")
+    assert len(puts) == handed + 1  # idle: woken with the cell
+    _wait_for_beats(events_pipe, lambda beats: beats)

@@ -91,3 +91,26 @@ def test_a_process_whose_main_thread_ended_is_ending_though_it_still_runs(tmp_pa
             process.kill()
             process.wait()
     assert cells.ending({"rank0": live.pid}) == "rank0 ended"
+
+
+def test_a_process_state_is_read_whatever_its_name():
+    """The state letter follows the last ")" of /proc/PID/stat: a name may hold both."""
+    import subprocess
+    import sys
+
+    named = ("import sys, time\n"
+             "open('/proc/self/comm', 'w').write('a) b (Z) c')\n"  # a process may name itself so
+             "print('named', flush=True)\n"
+             "time.sleep(600)\n")
+    sleeper = subprocess.Popen([sys.executable, "-c", named], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sleeper.stdout.readline() == "named\n"
+        with open(f"/proc/{sleeper.pid}/stat") as stat:
+            assert "(a) b (Z) c)" in stat.read()
+        assert cells._state(sleeper.pid) in ("S", "R")
+        assert cells.ending({"rank0": sleeper.pid}) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        sleeper.stdout.close()
+    assert cells._state(sleeper.pid) is None
