@@ -292,6 +292,17 @@ class JobHandle(abc.ABC):
         return None
 
 
+def process_stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name, its state letter first (so
+    ``[19]`` is its start time), or None when it is gone or unreadable.  The name may hold
+    spaces and parentheses: the last ")" ends it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def run_cleanups(hooks) -> None:
     """Run :attr:`LaunchSpec.cleanups` hooks, ``("module:function", args)`` each, as a
     launcher does when an attempt is over or the kernel died; a hook's error is ignored (each

@@ -15,6 +15,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from taas.launch.api import process_stat
+
 FIFO_DIR = "cells"
 
 
@@ -160,13 +162,8 @@ def ending(pids: dict[str, int]) -> str | None:
 def _state(pid: int) -> str | None:
     """The process's state letter (``R``, ``S``, ``Z``: a zombie, ...), or None if it is gone:
     one read of ``/proc/PID/stat`` (a kept cell asks it of every rank, so no psutil object)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            data = stat.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # "PID (COMM) STATE ...": COMM may hold spaces and parentheses, so the last ")" ends it.
-    return data[data.rindex(b")") + 2:][:1].decode()
+    fields = process_stat(pid)
+    return fields[0].decode() if fields else None
 
 
 def _open_all(job_dir: str, keys, fds: list[int]) -> None:

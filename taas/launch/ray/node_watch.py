@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from taas.launch.api import run_cleanups
+from taas.launch.api import process_stat, run_cleanups
 
 POLL = 0.5  # seconds between two looks at the agent
 
@@ -62,11 +62,8 @@ def start(agent_pid: int) -> None:
 
 
 def _start_time(pid: int) -> bytes | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19]  # a reused pid has another
-    except OSError:
-        return None
+    fields = process_stat(pid)
+    return fields[19] if fields else None  # a reused pid has another
 
 
 def _watch(agent_pid: int) -> None:
