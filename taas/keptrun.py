@@ -7,7 +7,9 @@ No IPython here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -33,6 +35,7 @@ class KeptRanks:
     _debugging: bool  # %taas debug runs its cell (it keeps failed_rank)
     launcher: Any  # this machine's
     job_host: Any  # the kernel's job host (taas.host.remote.KernelHost), or None
+    _running: threading.Lock  # one job at a time
 
     def _kept_for(self, launcher, options: directive.JobOptions, sink: Sink, cuda_devices) -> Kept | None:
         """The kept ranks this cell runs on, or None (see :meth:`Keeper.reuse`)."""
@@ -50,8 +53,12 @@ class KeptRanks:
         assert stats is not None
         limit = options.keep if options.keep is not None else directive.KEEP_DEFAULT
         plot, on_metrics = cellrun.live_plot(job, sink)
-        # In the kernel's job host (taas.host.remote), when it has one, as a one-cell job is.
-        make = self.job_host.kept_cell if self.job_host is not None and launcher is self.launcher else KeptCell
+        # In the host that keeps them (kept ranks adopted from a detached job: its host), else in
+        # the kernel's job host (taas.host.remote) when it has one, as a one-cell job is.
+        host = getattr(self.kept, "host", None)
+        if host is None and launcher is self.launcher:
+            host = self.job_host
+        make = host.kept_cell if host is not None else KeptCell
         run = make(launcher, job, sink, kept=self.kept, limit=limit, name_for=name_for,
                    on_state=lambda state: self._state(stats, state), on_metrics=on_metrics)
         shipped, self._shipped = self._shipped, {}
@@ -98,3 +105,20 @@ class KeptRanks:
     def release(self, sink: Sink | None = None) -> str | None:
         """``%taas release``: end the kept ranks; a line saying what ended, or None."""
         return self.keeper.release(sink)
+
+    def adopt(self, kept: Kept, values: dict, sink: Sink | None = None) -> str | None:
+        """``%taas attach`` on a kept detached job: its ranks (``kept``, a RemoteKept reaching
+        their host) are this session's kept ranks from now on, holding ``values`` (their first
+        cell's results, landed in the notebook); this session's own are released first (the
+        line saying so, or None), other adopted ones let go (they wait for the next kernel)."""
+        with self.hold():
+            line = self.keeper.let_go(sink)
+            self.keeper.after_cell(kept, values)
+        return line
+
+    @contextlib.contextmanager
+    def hold(self):
+        """No cell runs, and the idle limit ends no kept ranks, meanwhile (a kept job's host runs
+        its adopting kernel's cells with it held)."""
+        with self._running:
+            yield

@@ -41,7 +41,6 @@ class TaasMagics(Magics):
             from taas.host.remote import KernelHost
 
             session.job_host = KernelHost()  # attached jobs run in the kernel's job host child
-        self.adopted = None  # a kept detached job's ranks this kernel adopted (taas.host.adopt)
 
     def warm(self) -> None:
         """Start a job host ahead of the first ``--detach`` (unless ``TAAS_WARM_HOST=0``), so that
@@ -55,18 +54,11 @@ class TaasMagics(Magics):
                 pass
 
     def close(self) -> None:
-        """``%unload_ext``: let the warm job host go (a host with a job goes on), and adopted kept
-        ranks (they wait for the next kernel, until their idle limit)."""
+        """``%unload_ext``: let the warm job host go (a host with a job goes on; adopted kept
+        ranks wait for the next kernel, until their idle limit: Session.close)."""
         self.hosts.close()
         if self.cluster_spares is not None:
             self.cluster_spares.close()
-        self._let_go()
-
-    def _let_go(self) -> None:
-        """Close this kernel's hold on adopted kept ranks (they wait for the next kernel)."""
-        if self.adopted is not None:
-            self.adopted.close()
-            self.adopted = None
 
     @line_cell_magic
     def taas(self, line: str, cell: str | None = None):
@@ -86,8 +78,6 @@ class TaasMagics(Magics):
         sink = self._sink()
         if options.detach:
             return self._detach(line, cell, source, options, filename, sink)
-        if self.adopted is not None and not options.cluster and self._still_adopted(sink):
-            return self._on_adopted(line, cell, source, filename, sink)
         post_mortem = bool(getattr(shell, "call_pdb", False))  # IPython's %pdb on
         try:
             result = self.session.run_cell(
@@ -145,7 +135,7 @@ class TaasMagics(Magics):
             from taas.host import detach
 
             if launcher is None:
-                record = detach.start_here(self.session, store, source, self.shell.user_ns, options, line=line,
+                record = detach.start_here(self.session, store, source, self.shell.user_ns, options,
                                            filename=filename, text=cell, hidden=hidden, name_for=self._name_for,
                                            notebook=notebook, hashed=whole, sink=sink or TerminalSink(),
                                            hosts=self.hosts)
@@ -188,32 +178,6 @@ class TaasMagics(Magics):
 
         return cluster_jobs.store_for(launcher)
 
-    def _still_adopted(self, sink) -> bool:
-        """Whether the adopted kept ranks wait for this cell; if they ended meanwhile (their idle
-        limit, a cancel), one line says so and the cell runs here as any other."""
-        gone = self.adopted.gone()
-        if gone is not None:
-            self._let_go()
-            write_note(sink, f"{gone}; this cell starts fresh ranks", WARN)
-        return gone is None
-
-    def _on_adopted(self, line: str, cell: str, source: str, filename: str, sink):
-        """A cell on adopted kept ranks: sent to their host, shown here as it runs; rank 0's
-        names and Out[] land here as for a kept cell."""
-        from taas.host import adopt
-        from taas.session import job_metrics
-
-        sink = sink or TerminalSink()
-        try:
-            loaded = adopt.run_cell(self.adopted, source, self.shell.user_ns, line, sink, filename=filename, text=cell,
-                                    label=self._name_for(filename), hidden=frozenset(self.shell.user_ns_hidden),
-                                    name_for=self._name_for, on_metrics=job_metrics.HISTORY.add)
-        except (*_BEFORE_LAUNCH, adopt.JobError) as exc:
-            if self.adopted.ended is not None:  # the ranks ended under the cell: not ours any more
-                self._let_go()
-            raise UsageError(str(exc)) from None
-        return self._land(loaded, sink)
-
     def _land(self, loaded, sink):
         """Rank 0's names into the notebook, their notes, and Out[]."""
         values, out, has_out, notes = loaded
@@ -231,19 +195,26 @@ class TaasMagics(Magics):
         take = knock = None
         if launcher is not None:
             from taas.host.ray import client as cluster_jobs
-            from taas.host.ray import door
+            from taas.host.ray import door as doors
 
-            take, knock = cluster_jobs.take, functools.partial(door.knock, store, job_id)
-        adopted = adopt.Adopted(store, job_id, os.environ.get("JPY_SESSION_NAME", ""), knock=knock)
-        self._let_go()
-        local = self.session.release(sink)
+            take, knock = cluster_jobs.take, functools.partial(doors.knock, store, job_id)
+        door = adopt.Door(store, job_id, os.environ.get("JPY_SESSION_NAME", ""), knock=knock)
+        try:
+            returned = adopt.first_cell(store, job_id, take)
+        except BaseException:  # its failure raised here: the ranks are this notebook's all the same
+            self._adopted(door, job_id, sink, {}, launcher)
+            raise
+        loaded = None if returned is None else client.load(returned)
+        self._adopted(door, job_id, sink, loaded[0] if loaded else {}, launcher)
+        return None if loaded is None else self._land(loaded, sink)
+
+    def _adopted(self, door, job_id: str, sink, values: dict, launcher) -> None:
+        """The adopted ranks are the session's kept ranks now (holding their first cell's names)."""
+        local = self.session.adopt(door.kept(launcher or self.session.launcher), values, sink)
         if local:
             write_note(sink, f"{local}: this notebook's kept ranks are job {job_id}'s from now on", WARN)
-        self.adopted = adopted
-        print(f"taas: job {job_id}'s kept ranks ({adopted.describe()}) are this notebook's now: the next "
+        print(f"taas: job {job_id}'s kept ranks ({door.describe()}) are this notebook's now: the next "
               "taas cells run on them; %taas release ends them")
-        returned = adopt.first_cell(store, job_id, take)
-        return None if returned is None else self._land(client.load(returned), sink)
 
     def _attach(self, job_id: str | None, store=None, latest: int | None = None, launcher=None):
         """``%taas attach [ID]``: the job's output so far, then live; at its end rank 0's names
@@ -259,7 +230,9 @@ class TaasMagics(Magics):
                 store.listing(), os.environ.get("JPY_SESSION_NAME", ""))
             if job_id is None:
                 raise UsageError("taas: no running job and no results waiting; `%taas jobs` lists your jobs")
-            if self.adopted is not None and self.adopted.job == job_id and self.adopted.gone() is None:
+            kept = self.session.kept
+            if kept is not None and getattr(getattr(kept, "host", None), "record", "") == job_id \
+                    and kept.handle is not None and kept.handle.lost() is None:
                 print(f"taas: job {job_id}'s kept ranks are this notebook's already; %taas release ends them")
                 return None
             sink = self._sink() or TerminalSink()
@@ -334,10 +307,6 @@ class TaasMagics(Magics):
                 return
             if words and words[0] == "debug":  # %taas debug [RANK] on kept ranks
                 return self._debug(words[1:])
-            if words == ["release"] and self.adopted is not None:  # adopted kept ranks: their host's
-                adopted, self.adopted = self.adopted, None
-                print(adopted.release())
-                return
             if words == ["release"]:  # end the kept ranks (--keep)
                 print(self.session.release(NotebookSink() if getattr(self.shell, "kernel", None)
                                            is not None else None) or "taas: no kept ranks")
@@ -349,9 +318,6 @@ class TaasMagics(Magics):
                                  "'debug [RANK]', 'jobs', 'attach [ID]', 'cancel ID', 'forget ID' or 'logs ID', "
                                  f"got {line.strip()!r}")
             print(status.render(self.session))
-            if self.adopted is not None:
-                print(f"adopted kept ranks: job {self.adopted.job}, {self.adopted.describe()}, run by its "
-                      "job host (%taas release ends them)")
         except LaunchError as exc:
             raise UsageError(str(exc)) from None
 

@@ -119,7 +119,7 @@ class Session(KeptRanks):
         forkstart.preload()
 
     def close(self) -> None:
-        self.release()
+        self.keeper.let_go()  # ours end; adopted ones (a detached job's) wait for the next kernel
         if self._cluster_launcher is not None:
             self._cluster_launcher.shutdown()
             self._cluster_launcher = None
@@ -256,7 +256,8 @@ class Session(KeptRanks):
                      hand_over, filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
                      hidden: frozenset = frozenset(), name_for=None, text: str | None = None):
         """``--detach`` here: the cell made into a Job as an attached cell's is (GPUs leased for
-        ``job_name``; rank 0's results inline), then what ``hand_over(job, lines, seen)`` says:
+        ``job_name``; rank 0's results inline; ``--keep``: the first cell of kept ranks, which
+        a kernel adopts later), then what ``hand_over(job, lines, seen)`` says:
         it gives the job, its files and its record's first ``lines`` (the first ``seen`` shown
         by the cell) to a job host, whose launcher removes the big values' files at the end
         (if it raised, they go now)."""
@@ -267,7 +268,8 @@ class Session(KeptRanks):
         big, shown = None, Recording(sink or TerminalSink())
         try:
             job, _, big = self._job(self.launcher, working_directory(), source, filename, first_line, namespace,
-                                    options, shown, hidden, name_for, text=text, channel=False)
+                                    options, shown, hidden, name_for, keep=options.keep is not None, text=text,
+                                    channel=False)
             # Its record starts with the notes the cell showed, then the device's if the cell
             # did not (a viewer elsewhere never saw this kernel's earlier cells).
             seen = len(shown.lines)

@@ -2,11 +2,11 @@
 
 * :class:`Prepared` (``job.pkl``): a job on this machine, made by the kernel exactly as an
   attached cell's (the cell read, its values shipped, its GPUs leased): the host runs it as it
-  is, with the supervisor an attached job has; its shared files (big values, the GPU lease)
-  ride along with :class:`Take`.  The host removes it once read.
-* :class:`Request` (``request.pkl``): the cell and what it reads, for a host that makes the job
-  itself with a Session of its own (``--keep --detach``, whose host then serves later cells,
-  and a job on a Ray cluster); the host removes it once read.
+  is, with the supervisor an attached job has (``--keep``: as the first cell on kept ranks,
+  which the host then keeps for a kernel to adopt); its shared files (big values, the GPU
+  lease) ride along with :class:`Take`.  The host removes it once read.
+* :class:`Request` (a Ray cluster's ``request`` key): the cell and what it reads, for a host
+  actor that makes the job itself with a Session of its own (taas.host.ray).
 * :class:`Returned` (``results.pkl``): rank 0's names and ``Out[]``, each pickled on its own
   (one that cannot be read costs itself and a note), written by the host when the job succeeded.
 * :class:`Failure` (``failure.json``): a failed job's rendering (the root cause's traceback with
@@ -19,15 +19,14 @@
 
       kernel                                   host
       Hello(token, pid, notebook)  ──────>     the secret checked first (hmac.compare_digest)
-                                   <──────     Welcome(job, ranks, ...) or Refused(line)
-      RunCell(in_place) + Request  ──────>     the cell on the kept ranks (Session.run_cell)
-                                   <──────     Show(call, args)*: each Sink call, as it happens
-      Interrupt (Ctrl-C)           ──────>     the cell interrupted, the ranks stay
-                                   <──────     CellDone + Returned, or CellFailed
-      Release                      ──────>     the ranks ended:  <── Ended(line), the host exits
+                                   <──────     Welcome(job, ranks, ..., kept id) or Refused(line)
+      then the frames of the kernel's own job host (below): RunJob(keep, kept) + the Job
+      its Session prepared, Show*, Metrics*, Ask/Answer, Interrupt, JobDone [+ CellFailed];
+      KeptCall(memory | reserved | release) <── KeptAnswer
+                                   <──────     Ended(line): the ranks ended, the host exits
 
-  ``Ended`` also comes unasked when the ranks end while no cell runs (their idle limit, a
-  cancel); ``Metrics(rank, rows)``: a ``taas.log`` call's rows, for the kernel's ``taas.metrics()``.
+  ``Ended`` comes after a release, and unasked when the ranks end otherwise (their idle limit,
+  a cancel).
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ class Prepared:
     sources: dict = field(default_factory=dict)  # the notebook's cells' linecache entries
     labels: dict = field(default_factory=dict)  # a cell's file name -> how tracebacks name it
     shown: tuple = ()  # (stream, text): the notes the kernel's cell showed as it made the job
+    keep: float | None = None  # --keep: the ranks stay after it, for a kernel to adopt (idle limit, s)
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,9 @@ class Welcome:
     ranks: int
     device: str
     backend: str
+    kept: str = ""  # the kept ranks' job id (RunJob.kept names it)
+    limit: float | None = None  # their idle limit (s); None: none
+    cells: int = 0  # the cells they ran
 
 
 @dataclass(frozen=True)
@@ -140,21 +143,8 @@ class Refused:
 
 
 @dataclass(frozen=True)
-class RunCell:
-    """kernel -> host: run the cell (a pickled :class:`Request` follows as the frame's body);
-    ``in_place``: the notebook's front end shows displays updated in place."""
-
-    in_place: bool = True
-
-
-@dataclass(frozen=True)
 class Interrupt:
     """kernel -> host: interrupt the cell running now (not the ranks' life)."""
-
-
-@dataclass(frozen=True)
-class Release:
-    """kernel -> host: end the kept ranks (``%taas release``); the host answers :class:`Ended`."""
 
 
 @dataclass(frozen=True)
@@ -171,11 +161,6 @@ class Metrics:
 
     rank: int
     rows: list
-
-
-@dataclass(frozen=True)
-class CellDone:
-    """host -> kernel: the cell ended well; a pickled :class:`Returned` is the frame's body."""
 
 
 @dataclass(frozen=True)
@@ -255,8 +240,8 @@ class JobDone:
     states: list = field(default_factory=list)  # the states the job entered, in order (State values)
 
 
-WIRE = {kind.__name__: kind for kind in (Hello, Welcome, Refused, RunCell, Interrupt, Release, Show,
-                                         Metrics, CellDone, CellFailed, Ended, RunJob, Ask,
+WIRE = {kind.__name__: kind for kind in (Hello, Welcome, Refused, Interrupt, Show,
+                                         Metrics, CellFailed, Ended, RunJob, Ask,
                                          Answer, JobDone, KeptCall, KeptAnswer)}
 SHOWN = frozenset({"write", "progress", "display", "live", "panel"})  # the Sink calls Show may name
 

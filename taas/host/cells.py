@@ -1,10 +1,10 @@
 """One cell in a job host, as a value: its Request run on the host's Session, what comes back.
 
-Shared by a detached job's one cell (:mod:`taas.host.main`) and each later cell on a kept job's
-ranks (:mod:`taas.host.kept`): the notebook values unshipped into the host's namespace (one for
-the host's life, so kept ranks hold what the notebook sent before), rank 0's names and Out[]
-pickled one by one (one that cannot travel costs itself and a note), and an exception turned
-into what the notebook would have shown (:class:`~taas.host.api.Failure`).
+Run by a host that makes its job itself (:mod:`taas.host.main`'s ``run_job``: the first cell of
+a ``--keep --detach`` job, a job on a Ray cluster): the notebook values unshipped into the
+host's namespace, rank 0's names and Out[] pickled one by one (one that cannot travel costs
+itself and a note); and any host's exception turned into what the notebook would have shown
+(:class:`~taas.host.api.Failure`).
 """
 
 from __future__ import annotations

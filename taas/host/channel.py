@@ -18,8 +18,10 @@ import json
 import os
 import pathlib
 import secrets
+import signal
 import socket
 import struct
+import threading
 
 from taas.host.api import SECRET, SOCKET, WIRE
 from taas.jobs.store import write_file
@@ -172,3 +174,18 @@ def remove(folder: pathlib.Path) -> None:
     for name in (SOCKET, SECRET):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pathlib.Path(folder) / name)
+
+
+@contextlib.contextmanager
+def noting(noted: list):
+    """SIGINT only noted in ``noted`` for the block (in the main thread, where Python's handler
+    is set), so that reading a frame is never cut in half."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -4,7 +4,7 @@ A kernel (:mod:`taas.magics`) and a terminal (:mod:`taas.cli`) use the same call
 reads the host's memory or talks to it but through its record folder and, to cancel, a signal
 to the pid the record names (checked against that process's start time).
 
-    start(...)    a job the kernel prepared (or a Request), handed to a job host (spares.py),
+    start(...)    a job the kernel prepared, handed to a job host (spares.py),
                   its output shown until the ranks run; the record
     follow(...)   the output so far (its latest records, what is shown in place at its latest
                   state), then live, until the job ends or the viewer is interrupted
@@ -65,30 +65,26 @@ def running_copy(store: Store, source: str, notebook: str) -> JobRecord | None:
     return None
 
 
-def start(store: Store, work: Request | Prepared, *, ranks: int, where: str, notebook: str, sink,
+def start(store: Store, work: Prepared, *, ranks: int, where: str, notebook: str, sink,
           hosts=None, hashed: str | None = None, job_id: str | None = None, skip: int = 0) -> JobRecord:
     """Start ``work`` under a job host (``hosts``' warm spare, else a new one) and show its
     output until the ranks run; its record then.  ``work``: a job the kernel prepared (its
-    shared files go to the host with it), or a Request for the host's own Session.  A job that
+    shared files go to the host with it).  A job that
     ends before (a launch error, a failure in the first seconds) raises what an attached cell
     would; an interrupt meanwhile cancels it.  ``hashed``: the text that identifies the cell
     (its options and body; default: the body), for :func:`running_copy`; ``job_id``: the
     record's id (default: a fresh one, :func:`fresh_id`); ``skip``: how many of its first
     output records ``sink`` showed already."""
     hosts = hosts or Hosts()
-    if isinstance(work, Prepared):
-        job = work.job
-        text, cwd, fds = job.payload.text or job.payload.source, job.cwd, list(job.shared_fds)
-        # As it is, but code keeps its file names (the cells' own, for tracebacks).
-        data = crossing.dumps(dataclasses.replace(work, job=dataclasses.replace(job, shared_fds=())),
-                              crossing.AS_IS)
-    else:
-        text, cwd, fds, data = work.text or work.source, work.cwd, [], pickle.dumps(work)
+    job = work.job
+    text, cwd, fds = job.payload.text or job.payload.source, job.cwd, list(job.shared_fds)
+    # As it is, but code keeps its file names (the cells' own, for tracebacks).
+    data = crossing.dumps(dataclasses.replace(work, job=dataclasses.replace(job, shared_fds=())), crossing.AS_IS)
     record = JobRecord(id=job_id or fresh_id(store), state=State.WAITING, ranks=ranks, where=where,
                        started=time.time(), notebook=notebook, first_line=first_code_line(text),
                        source_hash=source_hash(hashed or text), cwd=cwd)
     folder = store.create(record)
-    write_file(folder / (records.PREPARED if isinstance(work, Prepared) else records.REQUEST), data)
+    write_file(folder / records.PREPARED, data)
     host = hosts.take(store)
     lock = hold_lock(folder)  # held for the host from now on: the record never reads lost meanwhile
     try:

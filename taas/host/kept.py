@@ -4,20 +4,23 @@ After the job's first cell the ranks stay (the host's Session keeps them, as a k
 and the record reads ``kept``.  The host then listens at its door: on this machine its socket
 (:class:`taas.host.channel.UnixDoor`), on a Ray cluster a TCP port of its node
 (taas.host.ray.door).  One kernel at a time adopts the ranks (``%taas attach ID``) by proving
-the job's secret, and
-sends each later cell; the host runs it on the kept ranks and streams every Sink call back as
-it happens (also into the record's log, for ``taas logs``), then rank 0's names and Out[] or
-the failure.  An Interrupt interrupts the cell, not the ranks' life.
+the job's secret; they are that kernel's kept ranks from then on, as if its own job host kept
+them: its Session prepares each later cell as a Job and sends it here, exactly as to its own
+host (:mod:`taas.host.wire`: RunJob, KeptCall, JobDone), and this host runs it on the kept
+ranks, streaming every Sink call back as it happens and into the record's log (for ``taas
+logs``).  An Interrupt interrupts the cell, not the ranks' life.
 
     events (one queue, the main thread serves them in order)
       ("adopted", conn)           a kernel proved the secret: its reader thread runs
-      (RunCell | Release, body)   from the adopting kernel
+      (RunJob | KeptCall, body)   from the adopting kernel (Interrupt and Answer go straight
+                                  to the running cell)
       ("gone", conn)              its socket closed (the kernel ended, ``%unload_ext``): the
                                   ranks wait for the next one
     the idle limit (the Session's Keeper) ends the ranks while nobody uses them
 
-The host ends with the kept ranks: released (``done``), their idle limit (``done``), a cancel
-(``cancelled``: SIGTERM, or :meth:`KeptHost.cancel`).  Its death (SIGKILL) ends them as a
+The host ends with the kept ranks: released (``KeptCall("release")``: ``done``), their idle
+limit (``done``), a cancel (``cancelled``: SIGTERM, or :meth:`KeptHost.cancel`); the adopting
+kernel is told why (:class:`~taas.host.api.Ended`).  Its death (SIGKILL) ends them as a
 kernel's does (the launcher's guard).  :meth:`KeptHost.serve` runs in the host's main thread
 (an interrupt is a SIGINT, as in a kernel) or in another (a Ray actor's: taas.shield's
 ``interrupt_thread``).
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import queue
 import signal
 import socket
@@ -35,9 +37,8 @@ import threading
 import time
 
 from taas.host import channel
-from taas.host.api import (CellDone, CellFailed, Ended, Hello, Interrupt, Metrics, Refused, Release, Request,
-                           RunCell, Show, Welcome)
-from taas.host.cells import failure_of, run_request
+from taas.host.api import Answer, Ended, Hello, Interrupt, KeptAnswer, KeptCall, Refused, RunJob, Welcome
+from taas.host.wire import AskingSink, Run, Tee, answer, kept_call, metrics_frame
 from taas.jobs.api import State
 from taas.shield import forget_interrupt, interrupt_thread
 
@@ -48,20 +49,23 @@ RELEASED = "were released (%taas release)"
 
 
 class KeptHost:
-    def __init__(self, session, store, record, namespace: dict, record_sink, door=None):
-        """``door``: where kernels connect (``listener``, ``token``, ``admits(conn)``,
-        ``close()``); default: the socket in the job's folder on this machine."""
-        self.session, self.store, self.record = session, store, record
-        self.namespace, self.record_sink = namespace, record_sink
+    def __init__(self, session, store, record, record_sink, door=None):
+        """``session``: the host's, which keeps the ranks (``session.kept``); ``door``: where
+        kernels connect (``listener``, ``token``, ``admits(conn)``, ``close()``); default: the
+        socket in the job's folder on this machine."""
+        self.session, self.store, self.record, self.record_sink = session, store, record, record_sink
         self.door = door if door is not None else channel.UnixDoor(store.folder(record.id))
         self.token, self.listener = self.door.token, self.door.listener
         self._server: int | None = None  # the thread that serves (runs the cells)
         self.events: queue.Queue = queue.Queue()
+        self.answers: queue.Queue = queue.Queue()  # the adopting kernel's answers to input()
+        self.labels: dict[str, str] = {}  # the cells' file names -> how tracebacks name them
         self._lock = threading.Lock()
         self.holder: socket.socket | None = None
         self.who = ""
         self.busy = False  # a cell runs: an Interrupt interrupts it
         self.cancelled = False
+        self._releaser: socket.socket | None = None  # the kernel that asked for the release
         threading.Thread(target=self._accept, name="taas-kept-accept", daemon=True).start()
 
     # -- connections (threads) ---------------------------------------------------------------
@@ -94,9 +98,10 @@ class KeptHost:
                 self.holder = conn
                 self.who = f"kernel pid {hello.pid}" + (f" ({hello.notebook})" if hello.notebook else "")
             conn.settimeout(None)
-            world = self.session.kept.world if self.session.kept else None
-            channel.send(conn, Welcome(job, world.size if world else 0, world.device if world else "",
-                                       world.backend if world else ""))
+            kept = self.session.kept
+            channel.send(conn, Welcome(job, kept.world.size, kept.world.device, kept.world.backend, kept.job_id,
+                                       None if kept.limit == float("inf") else kept.limit, kept.cells)
+                         if kept is not None else Welcome(job, 0, "", ""))
         except (OSError, EOFError, channel.ProtocolError, PermissionError):
             with self._lock:
                 if self.holder is conn:  # it went before it was welcome: nobody holds the ranks
@@ -116,8 +121,11 @@ class KeptHost:
                 break
             if isinstance(message, Interrupt):
                 self._interrupt()
-                continue
-            self.events.put((message, conn, body))
+            elif isinstance(message, Answer):
+                if conn is self.holder:
+                    self.answers.put(message)
+            else:
+                self.events.put((message, conn, body))
         with self._lock:
             if self.holder is conn:
                 self.holder, self.who = None, ""
@@ -143,7 +151,8 @@ class KeptHost:
         finally:
             if main:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the end is written whole
-            released = self.session.release()
+            releaser = self._releaser
+            released = self.session.release(AskingSink(releaser, True, self.answers) if releaser else None)
             self.door.close()
         if state is State.CANCELLED:
             line = f"taas: job {job} was cancelled: {what} ended"
@@ -179,44 +188,70 @@ class KeptHost:
                     conn.close()
             elif conn is not self.holder:
                 continue  # from a kernel that let go since
-            elif isinstance(what, RunCell):
+            elif isinstance(what, RunJob):
                 self._cell(conn, what, body)
-            elif isinstance(what, Release):
+            elif isinstance(what, KeptCall) and self._call(conn, what):
                 return State.DONE, RELEASED
 
-    def _cell(self, conn: socket.socket, message: RunCell, body: bytes) -> None:
-        from taas.job.metrics import HISTORY
+    def _cell(self, conn: socket.socket, message: RunJob, body: bytes) -> None:
+        """The adopting kernel's prepared cell, on the kept ranks; its answer (JobDone)."""
+        from taas.io import keys
 
-        wire = WireSink(conn, message.in_place)
-        sink = Tee(wire, self.record_sink)
-        observers = (self.record_sink.metrics, wire.metrics)
-        HISTORY.observers.extend(observers)
-        try:
-            request: Request = pickle.loads(body)
-            self.busy = True
+        while not self.answers.empty():  # answers to a cell before this one
+            self.answers.get_nowait()
+        wire = AskingSink(conn, message.in_place, self.answers)
+        job_id = self.record.id
+
+        def on_metrics(key: str, rows) -> None:
+            wire.send(metrics_frame(key, rows))
+            self.record_sink.metrics(job_id, keys.rank_of(key), rows)
+
+        keeper = self.session.keeper
+        # A cell without kept ranks to name is no cell for them (never fresh ranks here).
+        message = message if message.keep is not None and message.kept else RunJob(0, message.labels, keep=0.0,
+                                                                                    kept="-")
+        run = Run(None, message, body, [], Tee(wire, self.record_sink), self.labels, kept=self.session.kept,
+                  on_metrics=on_metrics)
+        failed: BaseException | None = None
+        with self.session.hold():  # the idle limit's timer waits for the cell
+            keeper.take(self.record_sink)
             main = threading.current_thread() is threading.main_thread()
-            if main:  # Python's own SIGINT handler while the cell runs: the steps the supervisor
-                # and the launcher shield (taas.shield.deferred_interrupt) are then never cut.
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.busy = True
             try:
-                returned = run_request(self.session, self.namespace, request, sink)
+                if main:  # Python's own SIGINT handler while the cell runs: the steps the supervisor
+                    # and the launcher shield (taas.shield.deferred_interrupt) are then never cut.
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                try:
+                    run.run()
+                finally:
+                    if main:
+                        signal.signal(signal.SIGINT, self._on_int)
+            except BaseException as exc:  # what the notebook shows, whatever it was
+                if isinstance(exc, KeyboardInterrupt) and self.cancelled:
+                    raise  # the kernel hears why from Ended
+                failed = exc
             finally:
-                if main:
-                    signal.signal(signal.SIGINT, self._on_int)
-            self.busy = False
-            wire.send(CellDone(), pickle.dumps(returned))
-        except BaseException as exc:  # what the notebook shows, whatever it was
-            self.busy = False
-            if isinstance(exc, KeyboardInterrupt) and self.cancelled:
-                raise
-            failure = failure_of(exc)
-            wire.send(CellFailed(failure.summary, list(failure.rendered), failure.kind))
-        finally:
-            with self._lock:  # an interrupt that came as the cell ended is not the next one's
-                self.busy = False
-                forget_interrupt()
-            for observer in observers:
-                HISTORY.observers.remove(observer)
+                with self._lock:  # an interrupt that came as the cell ended is not the next one's
+                    self.busy = False
+                    forget_interrupt()
+                keeper.after_cell(run.kept, {})
+        answer(conn, run, failed)
+
+    def _call(self, conn: socket.socket, message: KeptCall) -> bool:
+        """The adopting kernel's question between cells, answered; True for ``release``: the
+        ranks end with the host (serve's end releases them, their merge notes shown to that
+        kernel, which is then told with Ended rather than a KeptAnswer)."""
+        if message.call == "release":
+            self._releaser = conn
+            return True
+        value: object = None
+        try:
+            value = kept_call(self.session.kept, message.call, None)
+        except Exception as exc:  # the kernel asked between cells: it gets what went wrong
+            log.debug("kept ranks, %s: %r", message.call, exc)
+        with contextlib.suppress(OSError):
+            channel.send(conn, KeptAnswer(value))
+        return False
 
     def _interrupt(self) -> None:
         """Interrupt the running cell (not the ranks' life); nothing when no cell runs."""
@@ -255,69 +290,3 @@ class KeptHost:
             return self.store.read(self.record.id).replace(ended=time.time())
         except Exception:  # the record as we had it is the next best
             return self.record.replace(ended=time.time())
-
-
-class WireSink:
-    """The Sink calls of one cell, sent to the adopting kernel as they happen.  A kernel that is
-    gone meanwhile costs nothing: the cell goes on (its output is in the record's log)."""
-
-    def __init__(self, conn: socket.socket, in_place: bool):
-        self.conn = conn
-        self.updates_in_place = in_place
-        self.gone = False
-        self._lock = threading.Lock()  # the supervisor's and the plot's threads both show
-
-    def send(self, message, body: bytes = b"") -> None:
-        if self.gone:
-            return
-        try:
-            with self._lock:
-                channel.send(self.conn, message, body)
-        except OSError:
-            self.gone = True
-
-    def write(self, stream: str, text: str) -> None:
-        self.send(Show("write", [stream, text]))
-
-    def progress(self, key: str, stream: str, text: str, final: bool) -> None:
-        self.send(Show("progress", [key, stream, text, final]))
-
-    def display(self, data: dict, metadata: dict) -> None:
-        self.send(Show("display", [data, metadata]))
-
-    def live(self, name: str, data: dict, metadata: dict, final: bool) -> None:
-        self.send(Show("live", [name, data, metadata, final]))
-
-    def panel(self, bundle: dict, metadata: dict, final: bool) -> None:
-        self.send(Show("panel", [bundle, metadata, final]))
-
-    def metrics(self, job_id: str, rank: int, rows) -> None:
-        self.send(Metrics(rank, [[step, values] for step, values in rows]))
-
-
-class Tee:
-    """One Sink that is two: the adopting kernel's and the record's."""
-
-    def __init__(self, first: WireSink, second):
-        self.first, self.second = first, second
-        self.updates_in_place = first.updates_in_place
-
-    def write(self, stream: str, text: str) -> None:
-        self.first.write(stream, text)
-        self.second.write(stream, text)
-
-    def progress(self, key: str, stream: str, text: str, final: bool) -> None:
-        self.first.progress(key, stream, text, final)
-        self.second.progress(key, stream, text, final)
-
-    def display(self, data: dict, metadata: dict) -> None:
-        self.first.display(data, metadata)
-        self.second.display(data, metadata)
-
-    def live(self, name: str, data: dict, metadata: dict, final: bool) -> None:
-        self.first.live(name, data, metadata, final)
-        self.second.live(name, data, metadata, final)
-
-    def panel(self, bundle: dict, metadata: dict, final: bool) -> None:
-        self.first.panel(bundle, metadata, final)
-        self.second.panel(bundle, metadata, final)

@@ -5,11 +5,12 @@ need: it makes its Session warm and waits on its socket for a :class:`~taas.host
 which carries the record's lock (already held for it).  From then on it needs nothing of the
 kernel; until then it ends with the kernel (the socket closes).  It runs the job the kernel
 prepared as an attached cell's (:class:`~taas.host.api.Prepared`, its shared files handed
-over with the Take) with the same supervisor on its own launcher (:func:`run_prepared`); for
-``--keep --detach`` it runs the cell with a :class:`~taas.session.Session` of its own
-(:func:`run_job`), which then serves the kept ranks' later cells.  Either way it writes
-everything it would have shown into the record
-(:class:`~taas.host.sink.RecordSink`), then rank 0's results or the failure.
+over with the Take) with the same supervisor on its own launcher (:func:`run_prepared`),
+writing everything it would have shown into the record (:class:`~taas.host.sink.RecordSink`),
+then rank 0's results or the failure.  For ``--keep --detach`` that job is the first cell on
+kept ranks, which its Session's Keeper then keeps, and the host serves them to the kernel that
+adopts them (:class:`~taas.host.kept.KeptHost`).  A Ray cluster's host actor makes its job
+itself from a :class:`~taas.host.api.Request` (:func:`run_job`, taas.host.ray).
 
 SIGTERM (``taas cancel``) is an interrupt: every process stopped, the record ``cancelled``.
 SIGKILL leaves the record ``running`` with its lock free: readers mark it ``lost``; the ranks
@@ -91,10 +92,9 @@ def main() -> int:
     record = record.replace(host_pid=me.pid, host_started=me.create_time())
     session.job_name = record.id  # the GPU leases name the job as `taas jobs` does
     store.write(record)
-    # A job the kernel prepared (as an attached cell's), else a cell for our Session to make one of.
-    name = records.PREPARED if (folder / records.PREPARED).exists() else records.REQUEST
+    name = records.PREPARED  # the job the kernel prepared (as an attached cell's)
     try:
-        work: Prepared | Request = pickle.loads((folder / name).read_bytes())
+        work: Prepared = pickle.loads((folder / name).read_bytes())
     except Exception as exc:  # broad: unpickling a job can raise anything; the record must say it
         for fd in shared:
             os.close(fd)
@@ -104,25 +104,21 @@ def main() -> int:
         session.close()
         return 1
     os.unlink(folder / name)
-    os.chdir(work.job.cwd if isinstance(work, Prepared) else work.cwd)
+    os.chdir(work.job.cwd)
     out = LogWriter(folder)
     sink = RecordSink(folder, out, LogWriter(folder, part=records.METRICS))
-    namespace: dict = {}  # the notebook's values as the host has them (kept cells read them too)
     job_id = record.id
 
     def running() -> None:
         _tell(channel, Running(job_id))
 
     try:
-        if isinstance(work, Prepared):
-            work.job.shared_fds = tuple(shared)  # the same files, in the same order, as ours
-            record = run_prepared(session.launcher, store, record, work, sink, running)
-        else:
-            record = run_job(session, store, record, work, sink, running, namespace)
+        work.job.shared_fds = tuple(shared)  # the same files, in the same order, as ours
+        record = run_prepared(session.launcher, store, record, work, sink, running, session.keeper)
         if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
             kept_record = record
             try:
-                kept = KeptHost(session, store, record, namespace, sink)
+                kept = KeptHost(session, store, record, sink)
             except OSError as exc:  # no socket: no notebook could adopt them, so they end now
                 session.release()
                 record = record.replace(state=State.DONE, cause=f"its kept ranks could not be served: {exc}")
@@ -207,10 +203,12 @@ def run_job(session, store, record, request: Request, sink: RecordSink, running,
         HISTORY.observers.remove(sink.metrics)
 
 
-def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, running):
+def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, running, keeper=None):
     """A job the kernel prepared (:class:`Prepared`: made as an attached cell's is), to its end
     on ``launcher`` with the supervisor an attached job has; its final record (``running()``:
-    once the ranks run).  Its shared fds are closed however it ends."""
+    once the ranks run).  Its shared fds are closed however it ends.  ``--keep`` (``keeper``:
+    the host Session's): the first cell on kept ranks, which ``keeper`` keeps afterwards (the
+    record then reads KEPT, its cell's outcome in the folder)."""
     import linecache
 
     from taas import cellrun
@@ -220,6 +218,7 @@ def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, 
     from taas.job.metrics import HISTORY
     from taas.job.results import CellResult
     from taas.session import WARN, write_note
+    from taas.supervisor.cell import KeptCell
     from taas.supervisor.supervisor import Supervisor
 
     job = prepared.job
@@ -230,21 +229,31 @@ def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, 
     on_state = _on_running(store, record, running, lambda: stats)
     plot, on_metrics = cellrun.live_plot(job, sink)
     HISTORY.observers.append(sink.metrics)
-    supervisor = Supervisor(launcher, job, sink, name_for=prepared.labels.get, on_state=on_state,
-                            on_metrics=on_metrics)
+    hooks = dict(name_for=prepared.labels.get, on_state=on_state, on_metrics=on_metrics)
+    keep = prepared.keep is not None and keeper is not None
+    supervisor = (KeptCell(launcher, job, sink, kept=None, limit=prepared.keep, **hooks) if keep
+                  else Supervisor(launcher, job, sink, **hooks))
+
+    def after(state: State) -> State:  # the kept ranks stay (after a failed cell too): KEPT
+        if not keep:
+            return state
+        keeper.after_cell(supervisor.kept, {})
+        return State.KEPT if supervisor.kept is not None and state is not State.CANCELLED else state
+
     try:
         outcome = supervisor.run()
         cellrun.succeeded(job, outcome, job.data, stats, sink)
         back = (results.load(results.decode(outcome.result), None)
                 if job.policy.results and outcome.result is not None else CellResult())
         store.put(record.id, records.RESULTS, pickle.dumps(returned(back, sink)))
-        return _now(store, record).replace(state=State.DONE, has_results=True)
+        return _now(store, record).replace(state=after(State.DONE), has_results=True, keep=keep)
     except KeyboardInterrupt:
         write_note(sink, f"taas: job {record.id} cancelled: every process stopped", WARN)
+        after(State.CANCELLED)
         return _now(store, record).replace(state=State.CANCELLED, cause="cancelled")
     except BaseException as exc:  # the record must say why, whatever it was
         _failed(store, record, failure_of(exc))
-        return _now(store, record).replace(state=State.FAILED, cause=cause_of(exc))
+        return _now(store, record).replace(state=after(State.FAILED), cause=cause_of(exc), keep=keep)
     finally:
         HISTORY.observers.remove(sink.metrics)
         plot.close()

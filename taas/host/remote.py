@@ -17,7 +17,9 @@ as it happens.
 
 Kept ranks (``--keep``) live in the host too: :class:`RemoteKeptCell` runs a cell on them,
 :class:`RemoteKept` is the kernel's bookkeeping of them (what they hold, their idle limit, the
-results channel) and asks the host the rest between cells (:meth:`KernelHost.call`).
+results channel) and asks the host the rest between cells (:meth:`HostLink.call`).  Kept ranks
+a kernel adopted from a detached job (taas.host.adopt) are the same to it: their host is
+reached through its door (an :class:`adopt.Door`, a :class:`HostLink` too) instead.
 
 A frame is read whole with SIGINT only noted, so an interrupt never cuts the stream.
 """
@@ -35,12 +37,12 @@ import sys
 import threading
 import time
 
-from taas.errors import LaunchError, RenderedError
+from taas.errors import JobFailed, LaunchError, RenderedError
 from taas.host import channel
-from taas.host.adopt import _failure, _noting
-from taas.host.cells import cell_sources
-from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall, Metrics,
+from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Ended, Interrupt, JobDone, KeptAnswer, KeptCall, Metrics,
                            RunJob, Show)
+from taas.host.cells import cell_sources
+from taas.host.wire import file_bytes
 from taas.job import crossing
 from taas.job.api import World
 from taas.supervisor.kept import Kept
@@ -49,37 +51,31 @@ log = logging.getLogger(__name__)
 
 
 class HostGone(LaunchError):
-    """The kernel's job host ended under a job (killed?): the job ended with it."""
+    """The host ended under a job (killed?), or its kept ranks did: the job ended with it."""
 
 
-class KernelHost:
-    """This kernel's job host: a child in a session of its own (the kernel's interrupt is the
-    kernel's), ended by the kernel's end."""
+class HostLink:
+    """A socket to a host that runs this kernel's jobs (its own, :class:`KernelHost`; or the
+    host of kept ranks it adopted, taas.host.adopt.Door), and what the host has been sent."""
+
+    inline_fds = False  # a job's shared files go as their bytes (no SCM_RIGHTS to the host)
+    record = ""  # the detached job whose kept ranks the host keeps ("": the kernel's own host)
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        self.ended: str | None = None  # the host's last word: the kept ranks ended
         self._sent: set[str] = set()  # the cells' sources this host has (fresh_sources)
 
     def warm(self) -> None:
-        """Start the host if it is not running (its start process then imports torch)."""
-        with self._lock:
-            if self.proc is not None and self.proc.poll() is None:
-                return
-            self._close()
-            self._sent.clear()  # a new host has been sent nothing
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            # In "/": each job says where its ranks start, and the notebook's directory may go.
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-            with theirs:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "taas.host.serve", str(theirs.fileno()), str(os.getpid())],
-                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
-                    cwd="/", env=env)
-            self.sock = ours
+        """Have the host ready for a job."""
+
+    def lost(self) -> str | None:
+        """Why the host (and the kept ranks it keeps) is gone, or None."""
+        raise NotImplementedError
+
+    def gone_line(self) -> str:
+        """What a job that the host's end cut short says."""
+        raise NotImplementedError
 
     def fresh_sources(self) -> dict:
         """The notebook's cells (linecache's entries with no file behind them) the host has not
@@ -118,9 +114,54 @@ class KernelHost:
                     return message.value
                 if isinstance(message, Show) and message.call in SHOWN and sink is not None:
                     getattr(sink, message.call)(*message.args)
+                if isinstance(message, Ended):
+                    self.ended = message.line
+                    return gone
         except (OSError, EOFError, channel.ProtocolError):
             self.close()
             return gone
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class KernelHost(HostLink):
+    """This kernel's job host: a child in a session of its own (the kernel's interrupt is the
+    kernel's), ended by the kernel's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Start the host if it is not running (its start process then imports torch)."""
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                return
+            self._close()
+            self._sent.clear()  # a new host has been sent nothing
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            # In "/": each job says where its ranks start, and the notebook's directory may go.
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+            with theirs:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "taas.host.serve", str(theirs.fileno()), str(os.getpid())],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True,
+                    cwd="/", env=env)
+            self.sock = ours
+
+    def lost(self) -> str | None:
+        proc = self.proc
+        if self.sock is None or proc is None or proc.poll() is not None:
+            return "their host ended (killed?), and they with it"
+        return None
+
+    def gone_line(self) -> str:
+        return ("taas: this kernel's job host ended under the job (killed?), and the job with it; "
+                "run the cell again to start a new one")
 
     def close(self) -> None:
         """The host ends (and any job it runs, with it)."""
@@ -143,7 +184,7 @@ class KernelHost:
 class RemoteSupervisor:
     """One job run by the kernel's host, seen from the kernel (a Supervisor's calls)."""
 
-    def __init__(self, host: KernelHost, job, sink, *, name_for=None, on_state=None, on_metrics=None):
+    def __init__(self, host: HostLink, job, sink, *, name_for=None, on_state=None, on_metrics=None):
         from taas.supervisor.supervisor import Outcome
 
         self.host, self.job, self.sink = host, job, sink
@@ -162,11 +203,15 @@ class RemoteSupervisor:
         labels = {name: label for name in (*sources, filename) if (label := self.name_for(name))}
         # As it is, but code keeps its file names (the cells' own, for tracebacks; cloudpickle's
         # own would be "<dynamic-code>").
-        body = crossing.dumps((dataclasses.replace(job, shared_fds=()), sources), crossing.AS_IS)
+        # A door to another machine takes no descriptors: the shared files' bytes go in the body.
+        inline = file_bytes(job.shared_fds) if self.host.inline_fds else []
+        body = crossing.dumps((dataclasses.replace(job, shared_fds=()), sources, inline), crossing.AS_IS)
         message = dataclasses.replace(self._message(), labels=labels)
+        if self.host.inline_fds:
+            message = dataclasses.replace(message, fds=0)
         try:
             channel.send(sock, message, body)
-            if job.shared_fds:
+            if job.shared_fds and not self.host.inline_fds:
                 socket.send_fds(sock, [b"F"], list(job.shared_fds))
         except OSError:
             self._gone()
@@ -177,13 +222,17 @@ class RemoteSupervisor:
                 self._interrupt()
                 continue
             noted: list = []
-            with _noting(noted):  # a frame read and handled whole, or the stream loses its place
+            with channel.noting(noted):  # a frame read and handled whole, or the stream loses its place
                 message, body = self._next(sock)
                 done = None if isinstance(message, Ask) else self._handle(message, body)
             if noted:
                 self._interrupt()
             if isinstance(message, Ask):  # the input box waits for the user: Ctrl-C must reach it
                 self._ask(message)
+            if isinstance(message, Ended):  # the kept ranks ended under the cell (a cancel)
+                self.host.ended = message.line
+                self._kept(None)
+                raise HostGone(message.line)
             if done is not None:
                 failed, figures, kept = done
                 if job.data is not None:
@@ -253,9 +302,9 @@ class RemoteSupervisor:
         return message, body
 
     def _gone(self):
+        line = self.host.gone_line()
         self.host.close()
-        raise HostGone("taas: this kernel's job host ended under the job (killed?), and the job with it; "
-                       "run the cell again to start a new one")
+        raise HostGone(line)
 
 
 def _rebuilt(failure: CellFailed, report_body: bytes) -> BaseException:
@@ -264,7 +313,7 @@ def _rebuilt(failure: CellFailed, report_body: bytes) -> BaseException:
 
     kind = getattr(errors, failure.error, None)
     if failure.error == "KeyboardInterrupt" or kind is None or not isinstance(kind, type):
-        return _failure(failure)
+        return failure_raised(failure)
     if issubclass(kind, errors.KeptRanksGone):
         return kind(failure.summary.removeprefix("the kept ranks are gone: "))
     if issubclass(kind, errors.JobFailed):
@@ -278,23 +327,36 @@ def _rebuilt(failure: CellFailed, report_body: bytes) -> BaseException:
     try:
         return kind(failure.summary)
     except TypeError:
-        return _failure(failure)
+        return failure_raised(failure)
+
+
+def failure_raised(message: CellFailed) -> BaseException:
+    """The cell's exception as the notebook shows it."""
+    if message.error == "KeyboardInterrupt":
+        exc = KeyboardInterrupt()
+        lines = list(message.rendered)
+        exc._render_traceback_ = lambda: list(lines)  # type: ignore[attr-defined]
+        if len(lines) > 1:
+            exc.add_note("\n".join(lines[1:]))
+        return exc
+    if message.error in ("JobFailed", "CellSyntaxError") or message.rendered:
+        return JobFailed(message.summary, list(message.rendered) or None)
+    return LaunchError(message.summary)
+
+
 
 
 class RemoteHandle:
     """The kept ranks' handle as the kernel's bookkeeping asks it (the host has the real one)."""
 
-    def __init__(self, host: KernelHost):
+    def __init__(self, host: HostLink):
         self.host = host
 
     def lost(self) -> str | None:
-        """Their host is gone (so are they); else None.  A rank that ended is found by the
-        host when the next cell is sent (KeptRanksGone: the cell runs on fresh ranks), so a
-        cell costs no round trip to ask."""
-        proc = self.host.proc
-        if self.host.sock is None or proc is None or proc.poll() is not None:
-            return "their host ended (killed?), and they with it"
-        return None
+        """Their host is gone (so are they), or told that they ended; else None.  A rank that
+        ended is found by the host when the next cell is sent (KeptRanksGone: the cell runs on
+        fresh ranks), so a cell costs no round trip to ask."""
+        return self.host.lost()
 
     def memory(self) -> dict:
         return self.host.call("memory") or {}
@@ -304,12 +366,21 @@ class RemoteHandle:
 
 
 class RemoteKept(Kept):
-    """The kernel's bookkeeping of kept ranks that live in its job host: what they hold, their
-    idle limit, the results channel (all here), and a :class:`RemoteHandle`."""
+    """The kernel's bookkeeping of kept ranks that live in a host: what they hold, their idle
+    limit, the results channel (all here), and a :class:`RemoteHandle`.  The host is this
+    kernel's own (:class:`KernelHost`), or a detached job's whose kept ranks it adopted
+    (taas.host.adopt.Door; ``whose`` then names the job)."""
 
-    def __init__(self, host: KernelHost, launcher, info: dict, limit: float):
+    def __init__(self, host: HostLink, launcher, info: dict, limit: float):
         super().__init__(launcher, RemoteHandle(host), World(*info["world"]), info["job_id"], None, limit)
         self.host = host
+        self.whose = f" of job {host.record}" if host.record else ""
+        self.adopted = bool(host.record)
+
+    def let_go(self) -> None:
+        """No longer this kernel's (adopted ranks): they wait for the next kernel."""
+        self.handle = None
+        self.host.close()
 
     def update(self, info: dict) -> None:
         self.cells = info["cells"]
@@ -322,6 +393,8 @@ class RemoteKept(Kept):
         self.handle = None
         try:
             self.host.call("release", sink)  # stopped, their layers merged, in the host
+            if self.host.record:  # a detached job's host: it ends with them
+                self.host.close()
         finally:
             if self.channel is not None:
                 self.channel.close()
@@ -332,7 +405,7 @@ class RemoteKeptCell(RemoteSupervisor):
     """One cell on kept ranks in the kernel's job host (a KeptCell's calls: ``run()``,
     ``outcome``, ``kept``: the kernel's :class:`RemoteKept` after it, or None)."""
 
-    def __init__(self, host: KernelHost, job, sink, *, launcher, kept: RemoteKept | None, limit: float, **hooks):
+    def __init__(self, host: HostLink, job, sink, *, launcher, kept: RemoteKept | None, limit: float, **hooks):
         super().__init__(host, job, sink, **hooks)
         self.launcher, self.kept, self.limit = launcher, kept, limit
 

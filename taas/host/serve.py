@@ -22,10 +22,8 @@ this host's pid).
 
 from __future__ import annotations
 
-import linecache
 import logging
 import os
-import pickle
 import queue
 import select
 import signal
@@ -33,36 +31,12 @@ import socket
 import sys
 import threading
 
-import cloudpickle
-
 from taas.host import channel
-from taas.host.api import Answer, Ask, CellFailed, Interrupt, JobDone, KeptAnswer, KeptCall, RunJob
-from taas.host.cells import failure_of
-from taas.host.kept import WireSink
+from taas.host.api import Answer, Interrupt, KeptAnswer, KeptCall, RunJob
+from taas.host.wire import AskingSink, Run, answer, kept_call
 from taas.shield import deferred_interrupt
 
 log = logging.getLogger(__name__)
-
-
-class AskingSink(WireSink):
-    """The kernel's sink, over the socket: every Sink call sent, and ``ask`` answered from it."""
-
-    def __init__(self, conn: socket.socket, in_place: bool, answers: queue.Queue):
-        super().__init__(conn, in_place)
-        self.answers = answers
-
-    def ask(self, prompt: str, password: bool = False) -> str:
-        from taas.errors import NoStdin
-
-        self.send(Ask(prompt, password))
-        if self.gone:
-            raise NoStdin("the notebook that ran this job is gone")
-        answer: Answer = self.answers.get()  # a SIGINT (the kernel's Interrupt) ends the wait
-        if answer.eof:
-            raise EOFError
-        if answer.error is not None:
-            raise NoStdin(answer.error)
-        return answer.text or ""
 
 
 class Serving:
@@ -74,7 +48,6 @@ class Serving:
         self.answers: queue.Queue = queue.Queue()
         self.busy = False  # a job was sent and has not been answered: an Interrupt is for it
         self.labels: dict[str, str] = {}  # the cells' file names -> how tracebacks name them
-        self.states: list[str] = []  # the running job's states so far (told with JobDone)
         self.kept = None  # the kept ranks this kernel has here (taas.supervisor.kept.Kept), if any
         try:
             self.kernel = os.pidfd_open(kernel_pid)
@@ -110,8 +83,6 @@ class Serving:
 
     # -- the main thread -----------------------------------------------------------------------
     def serve(self) -> None:
-        from taas.supervisor.supervisor import Outcome
-
         signal.signal(signal.SIGINT, self._on_int)
         while True:
             item = self.jobs.get()
@@ -127,117 +98,54 @@ class Serving:
                     self._run(*item, answered=answered)
                 except KeyboardInterrupt:  # an Interrupt that came just before the job ran
                     if not answered:
-                        self._answer(Outcome(), KeyboardInterrupt(), answered)
+                        unrun = Run(self.launcher, *item, None, self.labels, kept=self.kept)
+                        unrun.close_fds()
+                        self._answer(unrun, KeyboardInterrupt(), answered)
             except KeyboardInterrupt:  # one that came as the answer went: the job had ended
                 pass
             finally:
                 signal.signal(signal.SIGINT, self._on_int)
 
     def _run(self, message: RunJob, body: bytes, fds: list[int], answered: list) -> None:
-        from taas.supervisor.cell import KeptCell
-        from taas.supervisor.supervisor import Outcome, Supervisor
-
-        job = None
-        supervisor: Supervisor | KeptCell | None = None
+        while not self.answers.empty():  # answers to a job before this one
+            self.answers.get_nowait()
+        run = Run(self.launcher, message, body, fds, AskingSink(self.sock, message.in_place, self.answers),
+                  self.labels, kept=self.kept)
         try:
-            job, sources = pickle.loads(body)
-            linecache.cache.update(sources)  # the cells' lines, quoted by tracebacks and stacks
-            self.labels.update(message.labels)
-            job.shared_fds = tuple(fds)  # the same files, in the same order, as this host's fds
-            self.states = []
-            while not self.answers.empty():  # answers to a job before this one
-                self.answers.get_nowait()
-            sink = AskingSink(self.sock, message.in_place, self.answers)
-            hooks = dict(name_for=self.labels.get, on_state=lambda state: self.states.append(state.value),
-                         on_metrics=lambda key, rows: sink.send(_metrics(key, rows)))
-            if message.keep is None:
-                supervisor = Supervisor(self.launcher, job, sink, **hooks)
-                supervisor.run()
-            else:  # on the kept ranks this kernel has here (or new ones), which stay after it
-                kept = self.kept if self.kept is not None and self.kept.job_id == message.kept else None
-                supervisor = KeptCell(self.launcher, job, sink, kept=kept, limit=message.keep, **hooks)
-                try:
-                    supervisor.run()
-                finally:
-                    self.kept = supervisor.kept
-            self._answer(supervisor.outcome, None, answered, job)
+            run.run()
+            self._answer(run, None, answered)
         except BaseException as exc:  # what the notebook shows, whatever it was
-            self._answer(supervisor.outcome if supervisor else Outcome(), exc, answered, job)
+            self._answer(run, exc, answered)
         finally:
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self.kept = run.kept
 
-    def _answer(self, outcome, exc: BaseException | None, answered: list, job=None) -> None:
+    def _answer(self, run: Run, exc: BaseException | None, answered: list) -> None:
         if answered:
             return
         answered.append(True)
         with deferred_interrupt():  # the answer's frames go whole (a late Interrupt is dropped)
-            self._send_answer(outcome, exc, job)
-
-    def _send_answer(self, outcome, exc: BaseException | None, job) -> None:
-        self.busy = False  # before the answer: the kernel's next RunJob may follow at once
-        figures = job.data.figures() if job is not None and job.data is not None else []
-        kept = None if self.kept is None else dict(
-            job_id=self.kept.job_id, world=(self.kept.world.size, self.kept.world.device, self.kept.world.backend),
-            cells=self.kept.cells,
-            gpu_mem=dict(self.kept.gpu_mem))
-        body = pickle.dumps((outcome, figures, kept), protocol=pickle.HIGHEST_PROTOCOL)
-        with _quiet():
-            channel.send(self.sock, JobDone(failed=exc is not None, states=self.states), body)
-            if exc is not None:
-                failure = failure_of(exc)
-                report = getattr(exc, "report", None)
-                channel.send(self.sock, CellFailed(failure.summary, list(failure.rendered), failure.kind),
-                             _pickled(report))
+            self.busy = False  # before the answer: the kernel's next RunJob may follow at once
+            self.kept = run.kept
+            answer(self.sock, run, exc)
 
     def _call(self, message: KeptCall) -> None:
         """A question about the kept ranks, or their release, between cells."""
         kept = self.kept
+        if message.call == "release":
+            self.kept = None
         value: object = None
-        try:
-            if message.call == "release":
-                self.kept = None
-                if kept is not None:  # the layers' merge notes go to the kernel's sink
-                    kept.release(AskingSink(self.sock, True, self.answers))
-            elif kept is not None and message.call == "memory":
-                value = kept.handle.memory()
-            elif kept is not None and message.call == "reserved":
-                value = kept.handle.reserved()
+        try:  # a release's merge notes go to the kernel's sink
+            value = kept_call(kept, message.call, AskingSink(self.sock, True, self.answers))
         except Exception as exc:  # the kernel asked between cells: it gets what went wrong
             log.debug("kept ranks, %s: %r", message.call, exc)
-        with _quiet():
+        try:
             channel.send(self.sock, KeptAnswer(value))
+        except OSError:  # the kernel is gone: the reader thread ends this host
+            pass
 
     def _on_int(self, signum, frame) -> None:
         if self.busy:  # the kernel's Interrupt: only a job hears it
             raise KeyboardInterrupt
-
-
-def _metrics(key: str, rows):
-    from taas.host.api import Metrics
-    from taas.io import keys
-
-    return Metrics(keys.rank_of(key), [[step, values] for step, values in rows])
-
-
-def _pickled(value) -> bytes:
-    try:
-        return cloudpickle.dumps(value)
-    except Exception:  # a report that cannot travel: the rendering says it all
-        return cloudpickle.dumps(None)
-
-
-class _quiet:
-    """A kernel gone meanwhile costs nothing here: the reader thread ends this host."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, OSError)
 
 
 def main(argv: list[str]) -> None:

@@ -7,7 +7,7 @@ kernel; everything a later notebook or a terminal needs to see the job is in its
       record.json    the JobRecord (api.py), replaced atomically (write, fsync, rename)
       lock           flock'd by the job's host for its whole life: free while the record
                      says running means the host is gone (the record reads ``lost``)
-      request.pkl    the cell and the notebook values it reads, until the host took them
+      job.pkl        the Job the kernel prepared (taas.host.api.Prepared), until the host took it
       out/           the output log, bounded (log.py): the first and the latest records
       view.json      what is shown in place now: open progress bars, the rank panel, the plot
       results.pkl    rank 0's names and Out[] until a notebook takes them (once)

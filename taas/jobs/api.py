@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 RECORD = "record.json"
 LOCK = "lock"
-REQUEST = "request.pkl"
 PREPARED = "job.pkl"  # a cell the kernel made into a Job (taas.host.api.Prepared)
 RESULTS = "results.pkl"
 VIEW = "view.json"

@@ -46,6 +46,12 @@ class Kept:
         self.channel = None
         self.gpu_mem: dict[str, int] = {}  # rank -> GPU bytes its tensors held after its last cell
         self.failed_rank: int | None = None  # the root cause of the last cell, when it failed
+        self.whose = ""  # what the lines about them add to "the kept ranks (4 on cuda/nccl)"
+        self.adopted = False  # a detached job's, which this kernel adopted: they outlive it (let_go)
+
+    def let_go(self) -> None:
+        """Stop holding them without ending them: only adopted ones can (see RemoteKept)."""
+        self.release()
 
     def remember(self, name: str, value) -> None:
         """The ranks now hold ``value`` under ``name`` (it was shipped, or brought back)."""
@@ -208,7 +214,7 @@ class Keeper:
             return kept
         self.release(sink)
         sink.write("stderr", f"taas: released the kept ranks ({was.size} on {was.device}/"
-                   f"{was.backend}): {why}; this cell starts fresh ranks\n")
+                   f"{was.backend}){kept.whose}: {why}; this cell starts fresh ranks\n")
         return None
 
     def after_cell(self, kept: Kept | None, shipped: dict) -> None:
@@ -240,6 +246,19 @@ class Keeper:
             self.releasing = False
             self._lock.release()
 
+    def let_go(self, sink=None) -> str | None:
+        """The kernel goes (``%unload_ext``) or adopts others: its own kept ranks end (the line
+        saying so), adopted ones wait for the next kernel (None)."""
+        kept = self.kept
+        if kept is not None and kept.adopted:
+            self.kept = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            kept.let_go()
+            return None
+        return self.release(sink)
+
     def release(self, sink=None) -> str | None:
         """End the kept ranks; a line saying what ended, or None when there were none."""
         kept, self.kept = self.kept, None
@@ -250,4 +269,4 @@ class Keeper:
             return None
         kept.release(sink)
         world = kept.world
-        return f"taas: released the kept ranks ({world.size} on {world.device}/{world.backend})"
+        return f"taas: released the kept ranks ({world.size} on {world.device}/{world.backend}){kept.whose}"

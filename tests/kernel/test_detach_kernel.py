@@ -303,7 +303,7 @@ def test_kept_ranks_outlive_the_kernel_and_a_new_kernel_adopts_them(workdir, hom
         assert second.run("print(first)").stdout.strip() == "from the first cell"
         # One kernel at a time: another attach says who holds the ranks; a wrong secret is refused.
         with pytest.raises(JobError, match=f"held by kernel pid {second.pid} \\({NOTEBOOK}\\)"):
-            adoption.Adopted(Store(home / "jobs"), job)
+            adoption.Door(Store(home / "jobs"), job)
         sock = channel.connect(home / "jobs" / job)
         channel.send(sock, Hello("0" * 64, os.getpid()))
         answer, _ = channel.recv(sock)

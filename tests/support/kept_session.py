@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 from taas.job.api import World
 
@@ -10,6 +12,8 @@ from taas.job.api import World
 class _Kept:
     world = World(2, "cpu", "gloo")
     limit = math.inf
+    job_id = "k1"
+    cells = 1
 
     def idle(self) -> float:
         return 0.0
@@ -21,13 +25,31 @@ class _Kept:
         return "--keep"
 
 
+class _Keeper:
+    def __init__(self, session: KeptSession):
+        self.session = session
+
+    def take(self, sink):
+        return self.session.kept
+
+    def after_cell(self, kept, shipped: dict) -> None:
+        self.session.kept = kept
+
+
 class KeptSession:
     """A Session's kept-ranks face, with no ranks."""
 
     def __init__(self):
-        self.kept = _Kept()
+        self.kept: _Kept | None = _Kept()
+        self.keeper = _Keeper(self)
+        self._running = threading.Lock()
 
-    def release(self):
+    @contextlib.contextmanager
+    def hold(self):
+        with self._running:
+            yield
+
+    def release(self, sink=None):
         if self.kept is None:
             return None
         self.kept = None

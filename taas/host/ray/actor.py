@@ -143,7 +143,7 @@ class JobHost:
                 namespace: dict = {}  # the notebook's values as the host has them (kept cells too)
                 record = run_job(session, store, record, request, sink, lambda: None, namespace)
                 if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
-                    record = self._serve_kept(session, record, namespace, sink)
+                    record = self._serve_kept(session, record, sink)
         except KeyboardInterrupt:  # the cancel landed outside the cell's own interrupt path
             record = store.read(job_id).replace(state=State.CANCELLED, cause="cancelled")
         except BaseException as exc:  # the record must say why, whatever it was
@@ -157,14 +157,14 @@ class JobHost:
         log.debug("job %s %s", job_id, record.state.value)
         _end_self()
 
-    def _serve_kept(self, session, record, namespace: dict, sink):
+    def _serve_kept(self, session, record, sink):
         """A --keep job's ranks, served at this node's door until they end; the final record."""
         from taas.host.kept import KeptHost
         from taas.host.ray.door import TcpDoor
         from taas.jobs.api import State
 
         try:
-            kept = KeptHost(session, self.store, record, namespace, sink, door=TcpDoor(self.store, record.id))
+            kept = KeptHost(session, self.store, record, sink, door=TcpDoor(self.store, record.id))
         except OSError as exc:  # no door: no notebook could adopt them, so they end now
             session.release()
             return record.replace(state=State.DONE, cause=f"its kept ranks could not be served: {exc}")

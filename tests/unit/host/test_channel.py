@@ -1,7 +1,8 @@
 """A kept job's socket (taas.host.channel, taas.host.kept, taas.host.adopt) as data and as a
 real unix socket between threads: every typed message both ways, frames that are not ours
 refused, the per-job secret (0600, compared in constant time, checked before anything else),
-one adopting kernel at a time, and release -- against a Session stand-in (no ranks)."""
+one adopting kernel at a time, its questions between cells, and release -- against a Session
+stand-in (no ranks)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ import threading
 import pytest
 
 from taas.host import channel
-from taas.host.adopt import Adopted, _failure
-from taas.host.api import (SECRET, SOCKET, WIRE, Answer, Ask, CellDone, CellFailed, Ended, Hello, Interrupt, JobDone,
-                           KeptAnswer, KeptCall, Metrics, Refused, Release, RunCell, RunJob, Show, Welcome)
+from taas.host.adopt import Door
+from taas.host.api import (SECRET, SOCKET, WIRE, Answer, Ask, CellFailed, Ended, Hello, Interrupt, JobDone, KeptAnswer,
+                           KeptCall, Metrics, Refused, RunJob, Show, Welcome)
+from taas.host.remote import failure_raised
 from taas.host.kept import KeptHost
 from taas.jobs.api import State
 from taas.jobs.store import JobError, Store
 from tests.support.jobs import make_record
 from tests.support.kept_session import KeptSession
 
-SAMPLES = [Hello("ab" * 32, 42, "train.ipynb"), Welcome("a1b2c3", 2, "cpu", "gloo"), Refused("taas: no"),
-           RunCell(False), Interrupt(), Release(), Show("write", ["stdout", "hi\n"]),
-           Metrics(1, [[0, {"loss": 1.0}]]), CellDone(), CellFailed("boom", ["line 1", "line 2"], "JobFailed"),
+SAMPLES = [Hello("ab" * 32, 42, "train.ipynb"), Welcome("a1b2c3", 2, "cpu", "gloo", "k1", 30.0, 3),
+           Refused("taas: no"), Interrupt(), Show("write", ["stdout", "hi\n"]),
+           Metrics(1, [[0, {"loss": 1.0}]]), CellFailed("boom", ["line 1", "line 2"], "JobFailed"),
            Ended("taas: released"),
            # the kernel's own job host (taas.host.serve, taas.host.remote)
            RunJob(2, {"<cell 3>": "Cell In[3]"}, True, math.inf, "a1b2c3"), Ask("[rank1] name? ", True),
@@ -113,7 +115,7 @@ def test_one_kernel_adopts_at_a_time_and_release_ends_the_host(tmp_path, signals
     store = Store(tmp_path / "jobs")
     record = make_record("a1b2c3", State.KEPT, keep=True)
     store.create(record)
-    host = KeptHost(KeptSession(), store, record, {}, record_sink=None)
+    host = KeptHost(KeptSession(), store, record, record_sink=None)
     seen: dict = {}
 
     def kernels():
@@ -123,14 +125,17 @@ def test_one_kernel_adopts_at_a_time_and_release_ends_the_host(tmp_path, signals
             channel.send(raw, Hello("0" * 64, 7))
             seen["wrong"] = channel.recv(raw)[0]
             raw.close()
-            first = Adopted(store, record.id, "train.ipynb")
+            first = Door(store, record.id, "train.ipynb")
             seen["welcome"] = first.welcome
             with pytest.raises(JobError) as held:
-                Adopted(store, record.id, "other.ipynb")
+                Door(store, record.id, "other.ipynb")
             seen["held"] = str(held.value)
+            seen["lost"] = first.lost()  # nothing to say: they wait for this kernel's cells
             first.close()  # the ranks wait for the next kernel
             second = wait_adopted(store, record.id)
-            seen["released"] = second.release()
+            seen["memory"] = second.call("memory")  # the stand-in's kept ranks have no handle
+            seen["answer"] = second.call("release")  # the host ends, saying so
+            seen["released"] = second.lost()
         except BaseException as exc:  # shown by the asserts below
             seen["error"] = exc
             host.events.put(("gone", None, None))
@@ -142,7 +147,8 @@ def test_one_kernel_adopts_at_a_time_and_release_ends_the_host(tmp_path, signals
     assert "error" not in seen, seen.get("error")
     assert isinstance(seen["wrong"], Refused) and seen["wrong"].line == (
         "taas: job a1b2c3 refused the connection: wrong secret")
-    assert seen["welcome"] == Welcome("a1b2c3", 2, "cpu", "gloo")
+    assert seen["welcome"] == Welcome("a1b2c3", 2, "cpu", "gloo", "k1", None, 1)
+    assert seen["lost"] is None and seen["memory"] is None and seen["answer"] is None
     assert seen["held"] == (f"taas: job a1b2c3's kept ranks are held by kernel pid {os.getpid()} (train.ipynb); "
                             "%taas release there (or end that kernel), then attach again")
     assert seen["released"] == "taas: released the kept ranks (2 on cpu/gloo) of job a1b2c3"
@@ -150,11 +156,11 @@ def test_one_kernel_adopts_at_a_time_and_release_ends_the_host(tmp_path, signals
     assert not (store.folder(record.id) / SOCKET).exists() and not (store.folder(record.id) / SECRET).exists()
 
 
-def wait_adopted(store, job_id) -> Adopted:
+def wait_adopted(store, job_id) -> Door:
     """Adopt once the host has seen the last kernel go (its 'gone' event is served in order)."""
     while True:
         try:
-            return Adopted(store, job_id)
+            return Door(store, job_id)
         except JobError as exc:
             if "held by" not in str(exc):
                 raise
@@ -163,29 +169,11 @@ def wait_adopted(store, job_id) -> Adopted:
 def test_a_failure_comes_back_as_the_cell_would_raise_it():
     from taas.errors import JobFailed, LaunchError
 
-    interrupt = _failure(CellFailed("KeyboardInterrupt: stopped", ["KeyboardInterrupt: stopped", "where"],
+    interrupt = failure_raised(CellFailed("KeyboardInterrupt: stopped", ["KeyboardInterrupt: stopped", "where"],
                                     "KeyboardInterrupt"))
     assert isinstance(interrupt, KeyboardInterrupt)
     assert interrupt._render_traceback_() == ["KeyboardInterrupt: stopped", "where"]
-    failed = _failure(CellFailed("ValueError: x", ["Traceback", "ValueError: x"], "JobFailed"))
+    failed = failure_raised(CellFailed("ValueError: x", ["Traceback", "ValueError: x"], "JobFailed"))
     assert isinstance(failed, JobFailed) and failed.rendered == ["Traceback", "ValueError: x"]
-    refused = _failure(CellFailed("--gpus takes a number", [], "DirectiveError"))
+    refused = failure_raised(CellFailed("--gpus takes a number", [], "DirectiveError"))
     assert isinstance(refused, LaunchError) and str(refused) == "--gpus takes a number"
-
-
-def test_values_the_host_holds_unchanged_are_not_sent_again():
-    import torch
-
-    from taas.host.adopt import Held
-
-    held = Held()
-    model, small, other = torch.nn.Linear(2, 2), [1, 2], torch.zeros(3)
-    assert held.lacking({"model": model, "small": small}) == {"model": model, "small": small}
-    held.remember(held.sending)  # the cell ran: the host holds them
-    assert held.lacking({"model": model, "small": small, "other": other}) == {"other": other}
-    held.remember({"back": 5})  # brought back by a cell
-    with torch.no_grad():
-        model.weight.add_(1)  # changed in place: sent again
-    small.append(3)
-    assert held.lacking({"model": model, "small": small, "back": 5}) == {"model": model, "small": small}
-    assert held.lacking({"model": torch.nn.Linear(2, 2)}).keys() == {"model"}  # a new object

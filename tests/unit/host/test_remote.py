@@ -48,6 +48,8 @@ class _Asking(Recorder):
 class _Recorded:
     """A 'host' that plays recorded frames to the kernel's side and records what it answers."""
 
+    inline_fds = False
+
     def __init__(self, frames):
         self.sock, self.theirs = socket.socketpair()
         self.frames = frames
@@ -294,3 +296,28 @@ def test_kept_ranks_whose_host_was_killed_are_one_line_and_the_next_cell_starts_
             "so their state is lost; this cell starts fresh ranks\n") in sink.text("stderr")
     assert "[rank0-1] fresh" in sink.text()
     hosted.release()
+
+
+def test_shared_files_cross_a_door_with_no_descriptors_as_their_bytes():
+    """Across machines (a cluster's door) a job's shared files go as their bytes and are memory
+    files again on the host's side, in order and with the same contents."""
+    import os
+
+    from taas.host.wire import file_bytes, memory_files
+
+    fds = []
+    for data in (b"first" * 1000, b"", b"third"):
+        fd = os.memfd_create("t")
+        os.write(fd, data)
+        fds.append(fd)
+    try:
+        again = memory_files(file_bytes(fds))
+        try:
+            assert [os.pread(fd, 10_000, 0) for fd in again] == [b"first" * 1000, b"", b"third"]
+            assert os.lseek(fds[0], 0, os.SEEK_CUR) == 5000  # the kernel's own files untouched
+        finally:
+            for fd in again:
+                os.close(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -8,20 +8,22 @@ from __future__ import annotations
 import os
 import signal
 
-import cloudpickle
 import psutil
 
-from taas.host import client, spares
-from taas.host.api import Request
+from taas import directive
+from taas.host import client, detach, spares
 from taas.host.spares import Hosts
 from taas.jobs.api import State
 from taas.jobs.store import Store
+from taas.session import Session
 from tests.support.sinks import Recorder
 
 
-def _request(cwd, body: str) -> Request:
-    return Request(source=body, options="--gpus 1", names=cloudpickle.dumps({}), filename="<cell>", label=None,
-                   first_line=1, cwd=str(cwd))
+def _start(session: Session, store: Store, hosts: Hosts, body: str):
+    """A detached cell, as the kernel starts one (its Session prepares the job)."""
+    return detach.start_here(session, store, body, {}, directive.parse_options("--gpus 1 --detach"),
+                             filename="<cell>", text=body, hidden=frozenset(), name_for=lambda name: None,
+                             notebook="nb", hashed=body, sink=Recorder(), hosts=hosts)
 
 
 def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, monkeypatch):
@@ -34,11 +36,13 @@ def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, 
     assert zygote is not None
     go = tmp_path / "go"
     body = f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\nprint('job', {{}})\n"
+    session = Session()
     try:
-        records = [client.start(store, _request(tmp_path, body.format(i)), ranks=1, where="this machine",
-                                notebook="nb", sink=Recorder(), hosts=hosts) for i in range(2)]
+        records = [_start(session, store, hosts, body.format(i)) for i in range(2)]
+        running = []  # taken while they surely run: an ended host is reaped at once (no zombie)
         for record in records:  # both run at once, each on a host of its own
             host = psutil.Process(store.read(record.id).host_pid)
+            running.append(host)
             assert host.ppid() == zygote.process.pid  # forked by the zygote: not ours
             assert "taas.host.zygote" in " ".join(host.cmdline())
             assert os.getsid(host.pid) == host.pid  # in a session of its own
@@ -48,7 +52,7 @@ def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, 
             sink = Recorder()
             assert client.follow(store, record.id, sink).state is State.DONE
             assert f"job {i}" in sink.text()
-        ended = [psutil.Process(store.read(r.id).host_pid) for r in records]
+        ended = running
         _, alive = psutil.wait_procs(ended, timeout=60)
         assert alive == []  # the hosts ended, and the zygote left no zombie of them:
         assert not {p.pid for p in ended} & {c.pid for c in psutil.Process(zygote.process.pid).children()}
@@ -64,6 +68,7 @@ def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, 
     finally:
         go.touch()
         hosts.close()
+        session.close()
     hosts2 = Hosts()
     hosts2.prewarm(store)
     second = hosts2._zygote

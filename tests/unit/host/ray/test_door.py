@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from taas.host import channel
-from taas.host.adopt import Adopted
+from taas.host.adopt import Door
 from taas.host.api import Hello, Refused, Welcome
 from taas.host.kept import KeptHost
 from taas.host.ray import door, keys
@@ -27,7 +27,7 @@ def _kept_job(job_id: str):
     record = make_record(job_id, State.KEPT, keep=True)
     store.create(record)
     store.put(job_id, keys.SECRET, b"ab" * 32)
-    host = KeptHost(KeptSession(), store, record, {}, record_sink=None, door=door.TcpDoor(store, job_id, "127.0.0.1"))
+    host = KeptHost(KeptSession(), store, record, record_sink=None, door=door.TcpDoor(store, job_id, "127.0.0.1"))
     final: dict = {}
     thread = threading.Thread(target=lambda: final.update(record=host.serve()), name="taas-job")
     thread.start()
@@ -45,9 +45,10 @@ def test_a_kernel_adopts_through_the_door_and_release_ends_the_host():
         raw.close()
         assert isinstance(refused, Refused) and refused.line == (
             "taas: job a1b2c3 refused the connection: wrong secret")
-        adopted = Adopted(store, "a1b2c3", "train.ipynb", knock=functools.partial(door.knock, store, "a1b2c3"))
-        assert adopted.welcome == Welcome("a1b2c3", 2, "cpu", "gloo")
-        assert adopted.release() == "taas: released the kept ranks (2 on cpu/gloo) of job a1b2c3"
+        adopted = Door(store, "a1b2c3", "train.ipynb", knock=functools.partial(door.knock, store, "a1b2c3"))
+        assert adopted.welcome == Welcome("a1b2c3", 2, "cpu", "gloo", "k1", None, 1)
+        assert adopted.call("release") is None  # the host ends, saying so
+        assert adopted.lost() == "taas: released the kept ranks (2 on cpu/gloo) of job a1b2c3"
     finally:
         host.cancel()  # whatever failed above: the host's thread ends
         thread.join(30)
@@ -58,11 +59,11 @@ def test_a_kernel_adopts_through_the_door_and_release_ends_the_host():
 
 def test_a_cancel_ends_a_host_served_in_a_thread_and_its_adopter_is_told():
     store, host, thread, final = _kept_job("d4e5f6")
-    adopted = Adopted(store, "d4e5f6", knock=functools.partial(door.knock, store, "d4e5f6"))
+    adopted = Door(store, "d4e5f6", knock=functools.partial(door.knock, store, "d4e5f6"))
     host.cancel()
     thread.join(30)
     assert not thread.is_alive() and final["record"].state is State.CANCELLED
-    assert adopted.gone() == "taas: job d4e5f6 was cancelled: the kept ranks (2 on cpu/gloo) ended"
+    assert adopted.lost() == "taas: job d4e5f6 was cancelled: the kept ranks (2 on cpu/gloo) ended"
     adopted.close()
     with pytest.raises(OSError, match="no door"):
         door.knock(store, "d4e5f6")
