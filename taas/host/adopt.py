@@ -20,7 +20,8 @@ import socket
 
 from taas.host import channel
 from taas.host.api import CellFailed, Ended, Hello, Refused, Returned, Welcome
-from taas.host.remote import HostLink, RemoteKept, failure_raised
+from taas.host.cells import failure_raised
+from taas.host.remote import HostLink, RemoteKept
 from taas.jobs.store import JobError, Store
 
 log = logging.getLogger(__name__)

@@ -1,23 +1,26 @@
-"""One cell in a job host, as a value: its Request run on the host's Session, what comes back.
+"""One cell in a job host, as a value: its Request run on the host's Session, what comes back,
+and a failure both ways (what the notebook shows for an exception; the exception again).
 
-Run by a host that makes its job itself (:mod:`taas.host.main`'s ``run_job``: the first cell of
-a ``--keep --detach`` job, a job on a Ray cluster): the notebook values unshipped into the
-host's namespace, rank 0's names and Out[] pickled one by one (one that cannot travel costs
-itself and a note); and any host's exception turned into what the notebook would have shown
-(:class:`~taas.host.api.Failure`).
+A Request is run by a host that makes its job itself (:mod:`taas.host.main`'s ``run_job``, a
+Ray cluster's host actor): the notebook values unshipped into the host's namespace, rank 0's
+names and Out[] pickled one by one (one that cannot travel costs itself and a note).  Any
+host's exception is turned into what the notebook would have shown (:func:`failure_of`,
+:class:`~taas.host.api.Failure`), and a kernel raises it again from that (:func:`rebuilt`,
+:func:`failure_raised`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import traceback
 
 import cloudpickle
 
 from taas import directive
-from taas.errors import JobFailed, RenderedError, TaasError
-from taas.host.api import Failure, Request, Returned
+from taas.errors import JobFailed, LaunchError, RenderedError, TaasError
+from taas.host.api import CellFailed, Failure, Request, Returned
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +101,40 @@ def cause_of(exc: BaseException) -> str:
     if isinstance(exc, TaasError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def rebuilt(failure: CellFailed, report_body: bytes) -> BaseException:
+    """The exception the host's supervisor raised, as the notebook shows it."""
+    from taas import errors
+
+    kind = getattr(errors, failure.error, None)
+    if failure.error == "KeyboardInterrupt" or kind is None or not isinstance(kind, type):
+        return failure_raised(failure)
+    if issubclass(kind, errors.KeptRanksGone):
+        return kind(failure.summary.removeprefix("the kept ranks are gone: "))
+    if issubclass(kind, errors.JobFailed):
+        try:
+            report = pickle.loads(report_body) if report_body else None
+        except Exception:  # a report that cannot be read: the rendering says it all
+            report = None
+        return kind(failure.summary, list(failure.rendered) or None, report)
+    if issubclass(kind, RenderedError):
+        return kind(failure.summary, list(failure.rendered) or None)
+    try:
+        return kind(failure.summary)
+    except TypeError:
+        return failure_raised(failure)
+
+
+def failure_raised(message: CellFailed) -> BaseException:
+    """The cell's exception as the notebook shows it."""
+    if message.error == "KeyboardInterrupt":
+        exc = KeyboardInterrupt()
+        lines = list(message.rendered)
+        exc._render_traceback_ = lambda: list(lines)  # type: ignore[attr-defined]
+        if len(lines) > 1:
+            exc.add_note("\n".join(lines[1:]))
+        return exc
+    if message.error in ("JobFailed", "CellSyntaxError") or message.rendered:
+        return JobFailed(message.summary, list(message.rendered) or None)
+    return LaunchError(message.summary)

@@ -37,11 +37,11 @@ import sys
 import threading
 import time
 
-from taas.errors import JobFailed, LaunchError, RenderedError
+from taas.errors import LaunchError
 from taas.host import channel
-from taas.host.api import (SHOWN, Answer, Ask, CellFailed, Ended, Interrupt, JobDone, KeptAnswer, KeptCall, Metrics,
+from taas.host.api import (SHOWN, Answer, Ask, Ended, Interrupt, JobDone, KeptAnswer, KeptCall, Metrics,
                            RunJob, Show)
-from taas.host.cells import cell_sources
+from taas.host.cells import cell_sources, rebuilt
 from taas.host.wire import file_bytes
 from taas.job import crossing
 from taas.job.api import World
@@ -240,7 +240,7 @@ class RemoteSupervisor:
                 self._kept(kept)
                 if failed:
                     failure, report = self._next(sock)
-                    raise _rebuilt(failure, report)
+                    raise rebuilt(failure, report)
                 return self.outcome
 
     def _message(self) -> RunJob:
@@ -305,45 +305,6 @@ class RemoteSupervisor:
         line = self.host.gone_line()
         self.host.close()
         raise HostGone(line)
-
-
-def _rebuilt(failure: CellFailed, report_body: bytes) -> BaseException:
-    """The exception the host's supervisor raised, as the notebook shows it."""
-    from taas import errors
-
-    kind = getattr(errors, failure.error, None)
-    if failure.error == "KeyboardInterrupt" or kind is None or not isinstance(kind, type):
-        return failure_raised(failure)
-    if issubclass(kind, errors.KeptRanksGone):
-        return kind(failure.summary.removeprefix("the kept ranks are gone: "))
-    if issubclass(kind, errors.JobFailed):
-        try:
-            report = pickle.loads(report_body) if report_body else None
-        except Exception:  # a report that cannot be read: the rendering says it all
-            report = None
-        return kind(failure.summary, list(failure.rendered) or None, report)
-    if issubclass(kind, RenderedError):
-        return kind(failure.summary, list(failure.rendered) or None)
-    try:
-        return kind(failure.summary)
-    except TypeError:
-        return failure_raised(failure)
-
-
-def failure_raised(message: CellFailed) -> BaseException:
-    """The cell's exception as the notebook shows it."""
-    if message.error == "KeyboardInterrupt":
-        exc = KeyboardInterrupt()
-        lines = list(message.rendered)
-        exc._render_traceback_ = lambda: list(lines)  # type: ignore[attr-defined]
-        if len(lines) > 1:
-            exc.add_note("\n".join(lines[1:]))
-        return exc
-    if message.error in ("JobFailed", "CellSyntaxError") or message.rendered:
-        return JobFailed(message.summary, list(message.rendered) or None)
-    return LaunchError(message.summary)
-
-
 
 
 class RemoteHandle:

@@ -18,7 +18,7 @@ from taas.host import channel
 from taas.host.adopt import Door
 from taas.host.api import (SECRET, SOCKET, WIRE, Answer, Ask, CellFailed, Ended, Hello, Interrupt, JobDone, KeptAnswer,
                            KeptCall, Metrics, Refused, RunJob, Show, Welcome)
-from taas.host.remote import failure_raised
+from taas.host.cells import failure_raised
 from taas.host.kept import KeptHost
 from taas.jobs.api import State
 from taas.jobs.store import JobError, Store
