@@ -85,7 +85,7 @@ class Kept:
         # Told by the ranks as each cell ended (torch's allocated bytes, as the rank panel shows).
         gpu = ", ".join(f"{k} {b / 2**20:.0f} MiB" for k, b in sorted(
             self.gpu_mem.items(), key=lambda kv: names.order(kv[0])))
-        return (f"kept ranks: {self.world.size} on {self.world.device}/{self.world.backend} on "
+        return (f"kept ranks{self.whose}: {self.world.size} on {self.world.device}/{self.world.backend} on "
                 f"{self.launcher.where}, {self.cells} cell(s), idle {_span(self.idle())}{limit}"
                 + (f"; {reserved}" if reserved else "")
                 + (f"; memory (RSS) {memory}" if memory else "")

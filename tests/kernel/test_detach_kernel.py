@@ -317,6 +317,8 @@ def test_kept_ranks_outlive_the_kernel_and_a_new_kernel_adopts_them(workdir, hom
         assert run.error is None, run.traceback
         assert "[rank0] state 0" in run.stdout and "[rank1] state 10" in run.stdout, run.stdout
         assert second.run("print(later)").stdout.strip() == "1"  # rank 0's names land here
+        status = second.run("%taas").stdout  # they are this notebook's kept ranks, named by their job
+        assert f"kept ranks of job {job}: 2 on cpu/gloo on this machine, 2 cell(s)" in status, status
         # An interrupt interrupts the kept cell, not the ranks' life.
         go = tmp_path / "never"
         msg = second.execute(cell(f"""
