@@ -207,11 +207,8 @@ class KeptHost:
             self.record_sink.metrics(job_id, keys.rank_of(key), rows)
 
         keeper = self.session.keeper
-        # A cell without kept ranks to name is no cell for them (never fresh ranks here).
-        message = message if message.keep is not None and message.kept else RunJob(0, message.labels, keep=0.0,
-                                                                                    kept="-")
         run = Run(None, message, body, [], Tee(wire, self.record_sink), self.labels, kept=self.session.kept,
-                  on_metrics=on_metrics)
+                  on_metrics=on_metrics, starts=False)  # cells on the kept ranks only, never fresh ones
         failed: BaseException | None = None
         with self.session.hold():  # the idle limit's timer waits for the cell
             keeper.take(self.record_sink)

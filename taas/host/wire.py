@@ -128,15 +128,16 @@ class Run:
     job entered, the kept ranks after it (``kept``), the Job once read (``job``)."""
 
     def __init__(self, launcher, message: RunJob, body: bytes, fds: list[int], sink: WireSink | Tee,
-                 labels: dict, kept=None, on_metrics=None):
+                 labels: dict, kept=None, on_metrics=None, starts: bool = True):
         """``kept``: the kept ranks this host has (a :class:`~taas.supervisor.kept.Kept`), which
         a ``--keep`` job naming them runs on; ``labels``: the cells' file names -> how
         tracebacks name them, updated with the message's; ``on_metrics(key, rows)``: the ranks'
-        ``taas.log`` rows (default: sent to the kernel)."""
+        ``taas.log`` rows (default: sent to the kernel, ``sink`` being a WireSink); ``starts``:
+        whether a job may start ranks (False: only cells on ``kept``, a kept job's host)."""
         from taas.supervisor.supervisor import Outcome
 
         self.launcher, self.message, self.body, self.fds, self.sink = launcher, message, body, fds, sink
-        self.labels, self.kept = labels, kept
+        self.labels, self.kept, self.starts = labels, kept, starts
         self.on_metrics = on_metrics or (lambda key, rows: sink.send(metrics_frame(key, rows)))
         self.states: list[str] = []
         self.job = None
@@ -164,16 +165,16 @@ class Run:
             sink = self.sink
             hooks = dict(name_for=self.labels.get, on_state=lambda state: self.states.append(state.value),
                          on_metrics=self.on_metrics)
+            kept = self.kept if self.kept is not None and self.kept.job_id == message.kept else None
+            if kept is None and (message.kept or not self.starts):
+                from taas.errors import KeptRanksGone
+
+                raise KeptRanksGone("they ended before this cell reached them")
             if message.keep is None:
                 self._supervisor = Supervisor(self.launcher, job, sink, **hooks)
                 self._supervisor.run()
                 return
             # On the kept ranks this host has (or new ones), which stay after it.
-            kept = self.kept if self.kept is not None and self.kept.job_id == message.kept else None
-            if message.kept and kept is None:
-                from taas.errors import KeptRanksGone
-
-                raise KeptRanksGone("they ended before this cell reached them")
             launcher = kept.launcher if kept is not None else self.launcher
             cell = self._supervisor = KeptCell(launcher, job, sink, kept=kept, limit=message.keep, **hooks)
             try:
