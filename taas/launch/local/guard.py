@@ -79,21 +79,22 @@ def _watch(starter: int, kernel: int) -> None:
     while not unix.reaped(starter) and time.monotonic() < deadline:
         signal.sigtimedwait({signal.SIGCHLD}, max(0.0, deadline - time.monotonic()))
     unix.kill_all_children()
-    remove_kernel_trash(kernel)
+    if os.getppid() != kernel:  # the kernel died: what it made is ours to remove
+        remove_kernel_trash(kernel)
     os._exit(0)
 
 
 def remove_kernel_trash(kernel: int) -> None:
-    """Job directories the kernel renamed away to remove in the background
-    (:func:`taas.launch.local.jobdir.discard`) and could not finish, because it died; and a cluster
-    node's copy of the working directory its agent kept."""
+    """What the kernel (gone) left in the temporary directory: job directories it renamed away to
+    remove in the background (:func:`taas.launch.local.jobdir.discard`) and could not finish, job
+    directories the start process could not remove because we had to kill it mid-shutdown, and a
+    cluster node's copy of the working directory its agent kept."""
     import glob
     import tempfile
 
-    from taas.launch.local.jobdir import remove
+    from taas.launch.local.jobdir import remove, remove_owned
 
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"taas-trash-{kernel}-*")):
-        remove(path)
+    remove_owned(kernel)
     # A cluster node's copy of the notebook's working directory, when the "kernel" is a Ray
     # agent (taas.launch.ray.agent) that died without shutting down.
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"taas-workdir-{kernel}-*")):

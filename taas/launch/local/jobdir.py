@@ -1,7 +1,7 @@
 """The local launcher's job directory: where its processes find the job's files and leave
 theirs (the process side of :mod:`taas.launch.api`).
 
-    <tmp>/taas-<job_id>-XXXX/
+    <tmp>/taas-job-<owner pid>-<job_id>-XXXX/
         payload.pkl ...           LaunchSpec.files
         rank1.error.json          a process's failure report       (api.error_name)
         rank1.fault               its fault dump                    (api.fault_name)
@@ -11,6 +11,11 @@ theirs (the process side of :mod:`taas.launch.api`).
         layer/<key>/upper         a rank's --storage layer          (taas.workdir.storage)
 
 Only the launcher knows this layout; the kernel reads results through ``JobHandle.fetch``.
+
+The owner (the process whose launcher made the job: a kernel, or a job host) removes the
+directory when the job is over; the start process removes it if the owner died first; and if
+both died mid-way, the guard (:func:`taas.launch.local.guard.remove_kernel_trash`) or the next
+launcher on this machine (:func:`sweep`) removes it: the owner's pid is in the name.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ import threading
 from taas.errors import LaunchError
 
 
+_JOB = "taas-job-"
+
+
 def create(job_id: str) -> str:
     try:
-        return tempfile.mkdtemp(prefix=f"taas-{job_id}-")
+        return tempfile.mkdtemp(prefix=f"{_JOB}{os.getpid()}-{job_id}-")
     except OSError as exc:
         raise no_room("create the job's directory", exc) from None
 
@@ -134,12 +142,21 @@ def flush() -> None:
 
 
 def sweep() -> None:
-    """Remove what a kernel that died left in the trash (its pid is in the name)."""
+    """Remove what an owner that died left: its trash, and job directories that no one
+    removed because its start process died with it (its pid is in both names)."""
     import psutil
 
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), _TRASH + "*")):
-        match = re.match(r"(\d+)-", os.path.basename(path)[len(_TRASH):])
-        if match and not psutil.pid_exists(int(match.group(1))):
+    for prefix in (_TRASH, _JOB):
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*")):
+            match = re.match(r"(\d+)-", os.path.basename(path)[len(prefix):])
+            if match and not psutil.pid_exists(int(match.group(1))):
+                remove(path)
+
+
+def remove_owned(owner: int) -> None:
+    """Remove every job directory (and trash) of ``owner``, a process that is gone."""
+    for prefix in (_TRASH, _JOB):
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}{owner}-*")):
             remove(path)
 
 

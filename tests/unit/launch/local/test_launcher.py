@@ -205,6 +205,65 @@ def test_removing_a_job_directory_never_touches_its_parent(tmp_path):
     assert not locked.exists() and parent.stat().st_mode & 0o7777 == 0o1777
 
 
+_OWNER = """
+import json, sys, time
+from taas.launch.api import LaunchSpec, ProcessSpec
+from taas.launch.local.launcher import LocalLauncher
+launcher = LocalLauncher()
+job = launcher.start(LaunchSpec("owned", sys.argv[1], (ProcessSpec("rank0", "tests.support.launch_targets:hang"),)))
+print(json.dumps({"dir": job.job_dir, "starter": launcher.starter_pid, "ranks": list(job.pids.values())}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_owner_and_its_start_process_killed_mid_shutdown_leave_no_job_directory(tmp_path):
+    """The kernel dies (SIGKILL) and its start process cannot finish removing its jobs' files
+    (here: it is stopped, so the guard must SIGKILL it past its deadline): the guard removes the
+    job directory, whose name carries the kernel's pid."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tmp_path)], stdout=subprocess.PIPE,
+                             cwd=str(pathlib.Path(__file__).parents[4]))
+    try:
+        started = json.loads(owner.stdout.readline())
+        job_dir = pathlib.Path(started["dir"])
+        assert job_dir.is_dir() and job_dir.name.startswith(f"taas-job-{owner.pid}-owned-")
+        guard = psutil.Process(started["starter"]).ppid()
+        os.kill(started["starter"], signal.SIGSTOP)  # it will never get to its Starter.shutdown
+        owner.kill()
+        owner.wait()
+        assert_gone([started["starter"], guard, *started["ranks"]], timeout=30)
+        assert not job_dir.exists()
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_the_next_launcher_removes_job_directories_of_owners_that_died(tmp_path, monkeypatch):
+    """Owner, guard and start process all SIGKILLed at once: no one is left to clean up, so the
+    next launcher on the machine sweeps what processes that are gone owned, and nothing else."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from taas.launch.local import jobdir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"taas-job-{gone.pid}-j1-x1y2"  # what jobdir.create made in that process
+    (dead / "scratch" / "rank0").mkdir(parents=True)
+    alive = jobdir.create("j2")
+    jobdir.sweep()
+    assert not dead.exists()
+    assert pathlib.Path(alive).is_dir()  # ours: we still run
+    jobdir.remove(alive)
+
+
 def test_garbage_on_the_start_process_channel_never_fails_a_job(launcher, tmp_path):
     """Unreadable or unexpected messages to the start process are logged and ignored: the job
     after them (and one started while they are still being read) runs as usual."""
