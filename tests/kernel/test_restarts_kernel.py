@@ -125,7 +125,8 @@ def test_interrupt_during_restarts_stops_everything_within_5s(kernel, clean):
         time.sleep(600)
         """), on_output=on_output)
     assert "at" in seen, run.stderr
-    assert run.status == "error" and run.error["ename"] == "KeyboardInterrupt", run.error
+    assert run.status == "error" and run.error is not None and run.error["ename"] == "KeyboardInterrupt", \
+        (run.error, run.stdout[-3000:], run.stderr[-3000:])
     assert time.monotonic() - seen["at"] < 5
     assert "taas: restart 50/" not in run.stderr
 
