@@ -144,12 +144,10 @@ class TaasMagics(Magics):
                 from taas.host.ray.spares import ClusterSpares
 
                 self.cluster_spares = self.cluster_spares or ClusterSpares()
-                request = detach.request_for(source, self.shell.user_ns, line, filename=filename, text=cell,
-                                             label=self._name_for(filename), first_line=2, hidden=hidden,
-                                             name_for=self._name_for)
-                record = cluster_jobs.start(launcher, store, request, ranks=options.gpus or 0, notebook=notebook,
-                                            sink=sink or TerminalSink(), hashed=whole, workdir=self.session.workdir,
-                                            workdir_limit=self.session.workdir_limit, spares=self.cluster_spares)
+                record = cluster_jobs.start_there(self.session, launcher, store, source, self.shell.user_ns, options,
+                                                  filename=filename, text=cell, hidden=hidden,
+                                                  name_for=self._name_for, notebook=notebook, hashed=whole,
+                                                  sink=sink or TerminalSink(), spares=self.cluster_spares)
         except (*_BEFORE_LAUNCH, client.JobError) as exc:
             raise UsageError(str(exc)) from None
         cluster = f"--cluster {launcher.address} " if launcher is not None else ""

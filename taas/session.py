@@ -254,26 +254,33 @@ class Session(KeptRanks):
 
     def detached_job(self, source: str, namespace: dict, options: directive.JobOptions, *, job_name: str,
                      hand_over, filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
-                     hidden: frozenset = frozenset(), name_for=None, text: str | None = None):
+                     hidden: frozenset = frozenset(), name_for=None, text: str | None = None, launcher=None,
+                     cuda_devices: int | None = None):
         """``--detach`` here: the cell made into a Job as an attached cell's is (GPUs leased for
         ``job_name``; rank 0's results inline; ``--keep``: the first cell of kept ranks, which
         a kernel adopts later), then what ``hand_over(job, lines, seen)`` says:
         it gives the job, its files and its record's first ``lines`` (the first ``seen`` shown
         by the cell) to a job host, whose launcher removes the big values' files at the end
-        (if it raised, they go now)."""
+        (if it raised, they go now).  ``launcher``: where the ranks run (default this
+        machine's; a Ray cluster's: its host actor gets the job).  ``cuda_devices``: the
+        launcher's count, when someone asked already (a cluster's host actor: the kernel then
+        starts no node agents of its own)."""
+        launcher = launcher or self.launcher
+        if cuda_devices is None:
+            cuda_devices = launcher.cuda_devices()
         if not self._running.acquire(blocking=False):
             raise self._busy()
         self._running_since = time.strftime("%H:%M:%S")
         name, self.job_name = self.job_name, job_name
         big, shown = None, Recording(sink or TerminalSink())
         try:
-            job, _, big = self._job(self.launcher, working_directory(), source, filename, first_line, namespace,
+            job, _, big = self._job(launcher, working_directory(), source, filename, first_line, namespace,
                                     options, shown, hidden, name_for, keep=options.keep is not None, text=text,
-                                    channel=False)
+                                    cuda_devices=cuda_devices, channel=False)
             # Its record starts with the notes the cell showed, then the device's if the cell
             # did not (a viewer elsewhere never saw this kernel's earlier cells).
             seen = len(shown.lines)
-            note = directive.resolve_world(options, self.launcher.cuda_devices(), self.launcher.where)[3]
+            note = directive.resolve_world(options, cuda_devices, launcher.where)[3]
             if note and not any(note in line for _, line in shown.lines):
                 shown.lines.append((INFO, f"{note}\n"))
             said = hand_over(job, tuple(shown.lines), seen)

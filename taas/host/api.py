@@ -1,12 +1,11 @@
 """What crosses between a kernel and a job host, both ways, as files in the job's record folder.
 
-* :class:`Prepared` (``job.pkl``): a job on this machine, made by the kernel exactly as an
+* :class:`Prepared` (``job.pkl``; on a Ray cluster the host actor's ``start`` argument, its
+  shared files as bytes): a job made by the kernel exactly as an
   attached cell's (the cell read, its values shipped, its GPUs leased): the host runs it as it
   is, with the supervisor an attached job has (``--keep``: as the first cell on kept ranks,
   which the host then keeps for a kernel to adopt); its shared files (big values, the GPU
   lease) ride along with :class:`Take`.  The host removes it once read.
-* :class:`Request` (a Ray cluster's ``request`` key): the cell and what it reads, for a host
-  actor that makes the job itself with a Session of its own (taas.host.ray).
 * :class:`Returned` (``results.pkl``): rank 0's names and ``Out[]``, each pickled on its own
   (one that cannot be read costs itself and a note), written by the host when the job succeeded.
 * :class:`Failure` (``failure.json``): a failed job's rendering (the root cause's traceback with
@@ -36,19 +35,6 @@ from typing import Any
 
 FAILURE = "failure.json"
 FDS_AT_ONCE = 250  # files per message on a host's socket, the rest in messages of their own (max 253)
-
-
-@dataclass(frozen=True)
-class Request:
-    source: str  # the cell body
-    options: str  # the directive's argument line ("--gpus 2 --detach")
-    names: bytes  # the notebook values the cell reads: one cloudpickle of a dict
-    filename: str  # the cell's file name in the kernel's compiler cache
-    label: str | None  # how tracebacks name it ("Cell In[7]"); None: the file name
-    first_line: int  # the body's first line number in that file
-    cwd: str  # the notebook's working directory
-    loaders: dict = field(default_factory=dict)  # name -> (prefetch, buffer_mb): registered loaders
-    text: str | None = None  # the cell as typed, when ``source`` is IPython's translation of it
 
 
 @dataclass(frozen=True)

@@ -1,50 +1,23 @@
-"""One cell in a job host, as a value: its Request run on the host's Session, what comes back,
-and a failure both ways (what the notebook shows for an exception; the exception again).
+"""One cell in a job host, as values: what comes back, and a failure both ways.
 
-A Request is run by a host that makes its job itself (:mod:`taas.host.main`'s ``run_job``, a
-Ray cluster's host actor): the notebook values unshipped into the host's namespace, rank 0's
-names and Out[] pickled one by one (one that cannot travel costs itself and a note).  Any
-host's exception is turned into what the notebook would have shown (:func:`failure_of`,
-:class:`~taas.host.api.Failure`), and a kernel raises it again from that (:func:`rebuilt`,
-:func:`failure_raised`).
+A detached job's rank 0 names and Out[] are pickled one by one for its record (:func:`returned`:
+one that cannot travel costs itself and a note).  Any host's exception is turned into what the
+notebook would have shown (:func:`failure_of`, :class:`~taas.host.api.Failure`), and a kernel
+raises it again from that (:func:`rebuilt`, :func:`failure_raised`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pickle
 import traceback
 
 import cloudpickle
 
-from taas import directive
 from taas.errors import JobFailed, LaunchError, RenderedError, TaasError
-from taas.host.api import CellFailed, Failure, Request, Returned
+from taas.host.api import CellFailed, Failure, Returned
 
 log = logging.getLogger(__name__)
-
-
-def run_request(session, namespace: dict, request: Request, sink) -> Returned:
-    """``request``'s cell on ``session``, the notebook's values it sent unshipped into
-    ``namespace`` first; rank 0's names (also kept in ``namespace``) and Out[]."""
-    from taas.data import registry
-    from taas.job import package
-
-    # One namespace shared with the shipped functions, as in a rank (package.unship).
-    namespace.update(package.unship(request.names))
-    for name, (prefetch, buffer_mb) in request.loaders.items():
-        if registry.entry(namespace[name]) is None:
-            registry.register(namespace[name], prefetch=prefetch, buffer_mb=buffer_mb)
-    options = dataclasses.replace(directive.parse_options(request.options), detach=False)
-    log.debug("running the cell")
-    result = session.run_cell(
-        request.source, namespace, options, filename=request.filename, first_line=request.first_line,
-        sink=sink, name_for=lambda name: request.label if name == request.filename else None,
-        text=request.text)
-    log.debug("the cell ended")
-    namespace.update(result.values)  # as in the notebook: a later kept cell reads them here
-    return returned(result, sink)
 
 
 def returned(result, sink) -> Returned:

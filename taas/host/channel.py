@@ -7,7 +7,7 @@ this user (``SO_PEERCRED``).  Until then nothing the peer sent is unpickled: the
 is JSON only, and small.
 
 A frame: two lengths (``!II``), a JSON header naming one of :data:`taas.host.api.WIRE`'s typed
-messages and its fields, then a body of raw bytes (a pickled Request or Returned, or nothing).
+messages and its fields, then a body of raw bytes (a pickled Job, an outcome, or nothing).
 """
 
 from __future__ import annotations

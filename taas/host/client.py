@@ -28,7 +28,7 @@ from collections.abc import Callable
 import psutil
 
 from taas.errors import JobFailed, LaunchError, RenderedError
-from taas.host.api import FAILURE, Failure, Prepared, Request, Returned
+from taas.host.api import FAILURE, Failure, Prepared, Returned
 from taas.host.spares import Hosts
 from taas.job import crossing
 from taas.jobs import api as records
@@ -375,5 +375,5 @@ def load(returned: Returned) -> tuple[dict, object, bool, list[str]]:
     return values, out, has_out, notes
 
 
-__all__ = ["Follower", "JobError", "RenderedError", "Request", "Store", "cancel", "follow", "load",
+__all__ = ["Follower", "JobError", "RenderedError", "Store", "cancel", "follow", "load",
            "raise_failure", "running_copy", "start", "take"]

@@ -9,8 +9,8 @@ over with the Take) with the same supervisor on its own launcher (:func:`run_pre
 writing everything it would have shown into the record (:class:`~taas.host.sink.RecordSink`),
 then rank 0's results or the failure.  For ``--keep --detach`` that job is the first cell on
 kept ranks, which its Session's Keeper then keeps, and the host serves them to the kernel that
-adopts them (:class:`~taas.host.kept.KeptHost`).  A Ray cluster's host actor makes its job
-itself from a :class:`~taas.host.api.Request` (:func:`run_job`, taas.host.ray).
+adopts them (:class:`~taas.host.kept.KeptHost`).  A Ray cluster's host actor runs its job the
+same way (:func:`run_prepared`, taas.host.ray).
 
 SIGTERM (``taas cancel``) is an interrupt: every process stopped, the record ``cancelled``.
 SIGKILL leaves the record ``running`` with its lock free: readers mark it ``lost``; the ranks
@@ -33,8 +33,8 @@ import time
 import psutil
 
 from taas.errors import TaasError
-from taas.host.api import FAILURE, FDS_AT_ONCE, Failure, Prepared, Request, Running, Take, decode, encode
-from taas.host.cells import cause_of, failure_of, run_request
+from taas.host.api import FAILURE, FDS_AT_ONCE, Failure, Prepared, Running, Take, decode, encode
+from taas.host.cells import cause_of, failure_of
 from taas.host.kept import KeptHost
 from taas.host.sink import RecordSink
 from taas.jobs import api as records
@@ -173,36 +173,6 @@ def _tell(channel: socket.socket, message: Running) -> None:
         pass
 
 
-def run_job(session, store, record, request: Request, sink: RecordSink, running, namespace: dict):
-    """The job, to its end, on ``session``; its final record (``running()``: once the ranks run).
-    A ``--keep`` job whose ranks stay afterwards reads KEPT (its cell's outcome in the folder).
-    ``store``: this machine's records (:class:`Store`) or a Ray cluster's (taas.host.ray): it
-    must offer ``read``, ``write`` and ``put(job_id, name, data)``."""
-    from taas.data import registry
-    from taas.job.metrics import HISTORY
-    from taas.session import WARN, write_note
-
-    registry.set_namespace_source(lambda: namespace)
-    session.on_state = _on_running(store, record, running, lambda: session.last)
-    HISTORY.observers.append(sink.metrics)
-    kept = State.KEPT
-    try:
-        returned = run_request(session, namespace, request, sink)
-        store.put(record.id, records.RESULTS, pickle.dumps(returned))
-        return _now(store, record).replace(state=kept if session.kept else State.DONE, has_results=True,
-                                           keep=session.kept is not None)
-    except KeyboardInterrupt:
-        write_note(sink, f"taas: job {record.id} cancelled: every process stopped", WARN)
-        return _now(store, record).replace(state=State.CANCELLED, cause="cancelled")
-    except BaseException as exc:  # the record must say why, whatever it was
-        _failed(store, record, failure_of(exc))
-        return _now(store, record).replace(state=kept if session.kept else State.FAILED, cause=cause_of(exc),
-                                           keep=session.kept is not None)
-    finally:
-        session.on_state = None
-        HISTORY.observers.remove(sink.metrics)
-
-
 def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, running, keeper=None):
     """A job the kernel prepared (:class:`Prepared`: made as an attached cell's is), to its end
     on ``launcher`` with the supervisor an attached job has; its final record (``running()``:
@@ -260,6 +230,16 @@ def run_prepared(launcher, store, record, prepared: Prepared, sink: RecordSink, 
         for fd in job.shared_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def replan(job, launcher) -> None:
+    """A job prepared elsewhere (by a kernel on another machine of the cluster) run on
+    ``launcher``: its data plane's transport where this launcher places the ranks (the TCP
+    hub on this host's address, a relay per GPU node), not where the kernel would have."""
+    if job.data is not None:
+        from taas.wiring import transport_for
+
+        job.transport = transport_for(launcher.topology(job.world.size))
 
 
 def _on_running(store, record, running, stats):

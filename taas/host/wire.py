@@ -232,6 +232,19 @@ def kept_info(kept) -> dict | None:
                 gpu_mem=dict(kept.gpu_mem), limit=None if kept.limit == float("inf") else kept.limit)
 
 
+def prepared_bytes(work) -> bytes:
+    """A prepared job (taas.host.api.Prepared) for a host on another machine: pickled as it is
+    (code keeps its file names: the cells' own, for tracebacks), with its shared files' bytes
+    (:func:`memory_files` makes them files again there)."""
+    import dataclasses
+
+    from taas.job import crossing
+
+    job = work.job
+    return crossing.dumps((dataclasses.replace(work, job=dataclasses.replace(job, shared_fds=())),
+                           file_bytes(job.shared_fds)), crossing.AS_IS)
+
+
 def file_bytes(fds) -> list[bytes]:
     """The shared files' contents, to cross a door with no SCM_RIGHTS (another machine)."""
     out = []

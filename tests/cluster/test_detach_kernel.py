@@ -17,8 +17,9 @@ import sys
 import pytest
 
 from tests.support.cluster_helpers import connected_module_kernel  # noqa: F401 (the module's kernel fixture)
-from tests.support.cluster_helpers import connected_kernel, inner_pid, job_processes, named, placement_groups_left
-from tests.support.kernel_driver import cmdline, one_line_usage_error, plain, wait_for, wait_until_gone
+from tests.support.cluster_helpers import (LOADER_CELL, LOADER_SETUP, connected_kernel, inner_pid, job_processes, named,
+                                           placement_groups_left)
+from tests.support.kernel_driver import cell, cmdline, one_line_usage_error, plain, wait_for, wait_until_gone
 from tests.support.kept import ok
 from tests.support.ranks import per_rank
 
@@ -62,9 +63,13 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_
         kernel, ray_cluster, tmp_path):
     go = str(tmp_path / "go")
     (tmp_path / "first").mkdir()
-    first = connected_kernel(ray_cluster, tmp_path / "first")
+    # Told of the cluster by $RAY_ADDRESS alone (no `%taas cluster`, which describes the nodes).
+    first = ray_cluster.kernel(str(tmp_path / "first"), env={"RAY_ADDRESS": ray_cluster.address})
     try:
         job = _detached(first.run(WAITING.format(go=go)))
+        # The job's host started the node agents; the kernel, which only detached, started none.
+        agents = first.run("import taas\nprint(len(taas._loaded['session']._cluster_launcher._info))")
+        assert agents.stdout.strip() == "0", (agents.stdout, agents.traceback)
         wait_for(lambda: len(job_processes(ray_cluster)) >= 2, timeout=120, what="the ranks running")
         ranks = [p.pid for p in job_processes(ray_cluster)]
         os.kill(first.descendants()[0].pid, signal.SIGKILL)  # the kernel (nsenter's child), its driver
@@ -98,6 +103,29 @@ def test_a_detached_job_outlives_its_kernel_and_a_new_kernel_lists_attaches_and_
     wait_for(lambda: not _hosts(ray_cluster), timeout=120, what="the job host and the dead kernel's spare ending")
     forgot = kernel.run(f"%taas forget {job}")
     assert f"job {job} forgotten" in forgot.stdout, forgot.traceback
+
+
+def test_a_detached_job_reads_a_registered_loader_from_the_cpu_node(kernel, ray_cluster):
+    """The notebook makes the job (its registered loader, its data plane) as for an attached
+    cluster cell; the host actor runs it with the plane's hub and relays where its own launcher
+    plans them: every unit reaches the ranks on both GPU nodes once, loaded on the CPU node."""
+    import json
+
+    setup = kernel.run(cell(LOADER_SETUP))
+    assert setup.error is None, setup.traceback
+    cpu_nodes = re.search(r"CPU (\S+)", setup.stdout).group(1).split(",")
+    run = kernel.run(cell(LOADER_CELL).replace("--units 400", "--units 400 --detach", 1))
+    assert run.error is None, run.traceback + run.stderr
+    job = re.search(r"taas: job ([0-9a-f]{6}) detached: 4 ranks", run.stdout)
+    assert job, run.stdout
+    done = kernel.run(f"%taas attach {job.group(1)}")
+    assert done.error is None, done.traceback + done.stderr
+    rows = {int(r): json.loads(row) for r, row in re.findall(r"\[rank(\d)\] FED (.*)", done.stdout)}
+    assert sorted(rows) == [0, 1, 2, 3], done.stdout + done.stderr
+    assert sorted(i for _, _, got, _ in rows.values() for i in got) == list(range(400))  # each unit once
+    assert all(nodes == cpu_nodes for _, nodes, _, _ in rows.values()), rows  # loaded on the CPU node
+    assert sorted({ip for r in range(4) for ip in rows[r][3]}) == sorted(ray_cluster.gpu_node_ips), rows
+    assert wait_until_gone([p.pid for p in job_processes(ray_cluster)], timeout=60) == []
 
 
 def test_cancel_leaves_no_rank_and_a_killed_host_takes_its_ranks_with_it(kernel, ray_cluster, tmp_path):

@@ -3,19 +3,24 @@ in the cluster's key-value store (the GCS), so the job needs nothing of the kern
 it and a new kernel connected to the same cluster lists it, attaches to it and takes its results.
 
     kernel (client.py)                               the cluster
-      start(): the record WAITING in the KV ──────>  JobHost (actor.py): lifetime="detached",
-        the JobHost actor, its Request ──────────>     named in taas's namespace, num_cpus=0;
-      follows the KV until RUNNING,                    a Session of its own on the Ray launcher:
-        says `job ID detached`                         the node agents, ranks, loader workers
-                                                       are created and owned by it
+      start_there(): the job made by the kernel's    JobHost (actor.py): lifetime="detached",
+        Session on its cluster launcher (Prepared)     named in taas's namespace, num_cpus=0;
+      start(): the record WAITING in the KV ──────>    runs it (host.main.run_prepared) on a
+        the JobHost actor, start(Prepared, ──────>     Ray launcher of its own Session's: the
+          its shared files as bytes)                   node agents, ranks, loader workers
+      follows the KV until RUNNING,                    are created and owned by it
+        says `job ID detached`
       any kernel later: %taas jobs / attach   <────  output log, view, metrics, results, failure,
         (store.py: RayStore, the same calls as         record: KV keys under jobs/USER.UID/ID/
         this machine's Store; the local host's
         Follower reads it through log_reader)
       %taas cancel: the actor's cancel(secret) ──>   the cell interrupted: every process stopped
 
-After a detached cell the kernel has the next host made ahead (spares.py): a JobHost with no job
-yet, warm (its Session, the GPU nodes' agents), ending itself if the kernel goes first.
+The host comes first: the kernel's spare (spares.py: made ahead after a detached cell, warm: its
+Session, the GPU nodes' agents), else one made for the cell; either ends itself if the kernel goes
+before it has a job.  It tells the kernel how many CUDA devices the ranks see (``cuda_devices``,
+from the agents it starts for the job anyway), so a kernel that only detaches starts no node
+agents of its own; a cell that fails before its job is handed over leaves it as the spare.
 
 A ``--keep --detach`` job's host keeps the ranks after the first cell and serves them at a TCP
 door of its node (door.py, taas.host.kept's KeptHost): a kernel connected later adopts them.
@@ -29,7 +34,7 @@ The contract with the local variant (taas.host's client.py/main.py): a store wit
 ``client.follow``, ``running_copy`` and ``raise_failure`` take either store; ``start``,
 ``take`` and ``cancel`` have a variant here.
 
-May import: taas.host (its client's Follower, the host's run_job, the RecordSink, api),
+May import: taas.host (its client's Follower, the host's run_prepared, the RecordSink, api, wire),
 taas.jobs, taas.session, taas.launch.ray (the cluster connection), taas.errors, taas.shield
 (a cancel lands at the supervisor's next checkpoint).
 """

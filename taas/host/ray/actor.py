@@ -1,9 +1,10 @@
 """The job host on a Ray cluster: a detached, named actor that runs one detached cell to its end.
 
 It is what ``python -m taas.host`` is on one machine (taas.host.main), with the cluster in the
-kernel's place: a :class:`~taas.session.Session` of its own on the Ray launcher runs the cell
-(:func:`taas.host.main.run_job`), so the node agents -- and through them the ranks and loader
-workers -- are actors and processes this actor created and owns.  Its output, view, metrics,
+kernel's place: it runs the job the kernel's Session prepared on its cluster launcher
+(:func:`taas.host.main.run_prepared`, its shared files sent as their bytes) on a Ray launcher of
+its own Session's, so the node agents -- and through them the ranks and loader workers -- are
+actors and processes this actor created and owns.  Its output, view, metrics,
 results and record go to the cluster's KV (:class:`~taas.host.ray.store.RayStore`).
 
 A host may be made ahead of need, as a kernel's warm spare (taas.host.ray.spares): made with
@@ -71,7 +72,7 @@ class JobHost:
             session = self._made()
             try:
                 session.launcher_for(self.address).cuda_devices()  # the GPU nodes' agents, started
-                import taas.host.main  # noqa: F401  (run_job and what it imports)
+                import taas.host.main  # noqa: F401  (run_prepared and what it imports)
             except Exception as exc:  # broad: the job, if one comes, meets it and says it
                 log.debug("warming: %r", exc)
 
@@ -100,15 +101,21 @@ class JobHost:
                 log.debug("spare: the kernel that made it is gone")
                 _end_self()
 
-    def start(self, request: bytes, job_id: str | None = None) -> int:
-        """Run the job (``request``: a pickled taas.host.api.Request; ``job_id``: a spare's job)
-        in a thread; this actor's pid."""
+    def cuda_devices(self) -> int:
+        """The CUDA devices a job's ranks see on this cluster (the GPU nodes' agents, started)."""
+        with self._warming:  # a spare still warming: that is what it warms
+            session = self._made()
+        return session.launcher_for(self.address).cuda_devices()
+
+    def start(self, prepared: bytes, job_id: str | None = None) -> int:
+        """Run the job (``prepared``: a pickled (taas.host.api.Prepared, its shared files' bytes);
+        ``job_id``: a spare's job) in a thread; this actor's pid."""
         with self._lock:
             if self._thread is None and not self._cancelled:
                 if job_id:
                     self.job_id = job_id
                 self._taken.set()
-                self._thread = threading.Thread(target=self._job, args=(request,), name="taas-job",
+                self._thread = threading.Thread(target=self._job, args=(prepared,), name="taas-job",
                                                 daemon=True)
                 self._thread.start()
         return os.getpid()
@@ -116,8 +123,9 @@ class JobHost:
     def _job(self, data: bytes) -> None:
         import psutil
 
-        from taas.host.main import run_job
+        from taas.host.main import replan, run_prepared
         from taas.host.sink import RecordSink
+        from taas.host.wire import memory_files
         from taas.jobs import api as records
         from taas.jobs.api import State
 
@@ -134,14 +142,17 @@ class JobHost:
                           save_view=lambda view: store.save_view(job_id, view))
         try:
             try:
-                request = pickle.loads(data)
-                if os.path.isdir(request.cwd):
-                    os.chdir(request.cwd)
+                prepared, contents = pickle.loads(data)
+                if os.path.isdir(prepared.job.cwd):
+                    os.chdir(prepared.job.cwd)
             except Exception as exc:  # broad: whatever it is, the record must say it
-                record = record.replace(state=State.FAILED, cause=f"its request could not be read: {exc}")
+                record = record.replace(state=State.FAILED, cause=f"its job could not be read: {exc}")
             else:
-                namespace: dict = {}  # the notebook's values as the host has them (kept cells too)
-                record = run_job(session, store, record, request, sink, lambda: None, namespace)
+                job = prepared.job
+                job.shared_fds = tuple(memory_files(contents))  # run_prepared closes them
+                launcher = session.launcher_for(self.address)
+                replan(job, launcher)  # the data plane's hub and relays where this launcher puts them
+                record = run_prepared(launcher, store, record, prepared, sink, lambda: None, session.keeper)
                 if record.state is State.KEPT:  # --keep: the ranks stay, for a notebook to adopt
                     record = self._serve_kept(session, record, sink)
         except KeyboardInterrupt:  # the cancel landed outside the cell's own interrupt path

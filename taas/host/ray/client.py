@@ -10,9 +10,9 @@ import time
 
 from taas.errors import LaunchError
 from taas.host import client
-from taas.host.api import Request, Returned
+from taas.host.api import Prepared, Returned
 from taas.host.ray import keys
-from taas.host.ray.spares import ClusterSpares, new_host
+from taas.host.ray.spares import ClusterSpares, Spare
 from taas.host.ray.store import RayKV, RayStore
 from taas.jobs.api import JobRecord, State
 from taas.jobs.store import JobError, new_id
@@ -58,37 +58,80 @@ def _actor(ray, store: RayStore, job_id: str):
         return None
 
 
-def start(launcher, store: RayStore, request: Request, *, ranks: int, notebook: str, sink,
-          hashed: str, workdir: str = "auto", workdir_limit: int | None = None,
-          spares: ClusterSpares | None = None) -> JobRecord:
-    """``request`` under a detached JobHost actor on ``launcher``'s cluster (``spares``' warm
-    one, else a new one); its output shown until the ranks run; its record then (and the
-    next spare on its way).  An interrupt meanwhile cancels it."""
-    ray = launcher.connect()
+def start_there(session, launcher, store: RayStore, source: str, namespace: dict, options, *, filename: str,
+                text: str, hidden: frozenset, name_for, notebook: str, hashed: str, sink,
+                spares: ClusterSpares | None = None) -> JobRecord:
+    """The cell's detached job on ``launcher``'s cluster: made by ``session`` as an attached
+    cluster cell's is (:meth:`taas.session.Session.detached_job`), then run by a host actor
+    there (:func:`start`); its record once its ranks run.
+
+    The host comes first (``spares``' warm one, else one made now): it tells the kernel how many
+    CUDA devices the ranks will see, from the node agents it starts for the job anyway, so the
+    kernel starts none of its own.  If the cell fails before its job is handed over, the host
+    stays as the kernel's spare."""
+    from taas.host.cells import cell_sources
+
+    spares = spares or ClusterSpares()
+    job_id = fresh_id(store)
+    host = spares.take(launcher, session.workdir, session.workdir_limit)
+    if host is None:
+        host = spares.make(launcher, session.workdir, session.workdir_limit,
+                           name=keys.actor_name(store.owner, job_id))
+    handed = False
+
+    def hand_over(job, shown: tuple, seen: int) -> JobRecord:
+        nonlocal handed
+        handed = True
+        sources = cell_sources()  # the notebook's cells, and how each is named ("Cell In[7]")
+        labels = {name: label for name in sources if (label := name_for(name))}
+        return start(launcher, store, Prepared(job, sources, labels, shown, options.keep), host, job_id=job_id,
+                     notebook=notebook, sink=sink, hashed=hashed, skip=seen)  # the cell showed those lines
+
+    try:
+        cuda = spares.cuda_devices(host, STARTED)
+        record = session.detached_job(source, namespace, options, job_name=job_id, hand_over=hand_over,
+                                      filename=filename, first_line=2, sink=sink, hidden=hidden,
+                                      name_for=name_for, text=text, launcher=launcher, cuda_devices=cuda)
+    except BaseException:
+        if not handed:
+            spares.give_back(host)
+        raise
+    spares.prewarm(launcher, session.workdir, session.workdir_limit)  # the next detached cell's host
+    return record
+
+
+def fresh_id(store: RayStore) -> str:
+    """A job id no record of ``store`` has."""
     taken = set(store.ids())
     job_id = new_id()
     while job_id in taken:
         job_id = new_id()
-    record = JobRecord(id=job_id, state=State.WAITING, ranks=ranks, where=launcher.address,
+    return job_id
+
+
+def start(launcher, store: RayStore, work: Prepared, host: Spare, *, job_id: str, notebook: str, sink,
+          hashed: str, skip: int = 0) -> JobRecord:
+    """``work`` (the job the kernel's Session prepared on ``launcher``) under ``host``, a
+    detached JobHost actor on that cluster; its output shown until the ranks run (``skip``: the
+    first output records the cell showed already); its record then.  An interrupt meanwhile
+    cancels it.  The job's shared files go as their bytes (the actor may be on another machine)."""
+    from taas.host.wire import prepared_bytes
+
+    job = work.job
+    record = JobRecord(id=job_id, state=State.WAITING, ranks=job.world.size, where=launcher.address,
                        started=time.time(), notebook=notebook,
-                       first_line=client.first_code_line(request.text or request.source),
-                       source_hash=client.source_hash(hashed), cwd=request.cwd)
+                       first_line=client.first_code_line(job.payload.text or job.payload.source),
+                       source_hash=client.source_hash(hashed), cwd=job.cwd)
+    data = prepared_bytes(work)
     store.put(job_id, keys.SECRET, secrets.token_hex(32).encode())
-    spare = spares.take(launcher, workdir, workdir_limit) if spares is not None else None
-    if spare is not None:  # the record names the host before it can be listed
-        store.put(job_id, keys.HOST, spare.name.encode())
+    store.put(job_id, keys.HOST, host.name.encode())  # the record names its host before it can be listed
     store.create(record)
     try:
-        if spare is not None:
-            host = spare.handle
-        else:
-            host = new_host(ray, store.owner, keys.actor_name(store.owner, job_id), job_id, launcher.address,
-                            workdir, workdir_limit)
-        host.start.remote(pickle.dumps(request), job_id)
+        host.handle.start.remote(data, job_id)
     except Exception as exc:  # broad: any Ray error means no host
         store.write(record.replace(state=State.FAILED, ended=time.time(), cause=f"no job host: {exc}"))
         raise LaunchError(f"taas: could not start a job host for job {job_id} on the cluster: {exc}") from None
-    follower = client.Follower(store, job_id, sink)
+    follower = client.Follower(store, job_id, sink, skip=skip)
     deadline = time.monotonic() + STARTED
     try:
         while True:
@@ -100,8 +143,6 @@ def start(launcher, store: RayStore, request: Request, *, ranks: int, notebook: 
     except KeyboardInterrupt:
         cancel(launcher, store, job_id)
         raise
-    if spares is not None:  # the next detached cell's host, made while this job runs
-        spares.prewarm(launcher, workdir, workdir_limit)
     if record.state is State.WAITING:
         cancel(launcher, store, job_id)
         raise LaunchError(f"taas: the job host of job {job_id} did not start within {STARTED:.0f} s")

@@ -84,15 +84,37 @@ class ClusterSpares:
         """Have a spare made for these settings (the cluster makes it while the kernel goes on)."""
         if self._spare is not None:
             return
-        ray = self._ray = launcher.connect()
-        owner = keys.owner()
-        name = keys.spare_name(owner, secrets.token_hex(8))
         try:
-            handle = new_host(ray, owner, name, "", launcher.address, workdir, workdir_limit)  # it warms itself
+            self._spare = self.make(launcher, workdir, workdir_limit)  # it warms itself
         except Exception as exc:  # broad: no spare; the next detached cell makes its host
             log.debug("no spare host: %r", exc)
-            return
-        self._spare = Spare(handle, name, settings(launcher.address, workdir, workdir_limit))
+
+    def make(self, launcher, workdir: str, workdir_limit: int | None, name: str | None = None) -> Spare:
+        """A new host for these settings, warming itself from its creation on, named ``name``
+        (default: a spare's name).  Until it is given a job it ends itself if this kernel goes."""
+        ray = self._ray = launcher.connect()
+        owner = keys.owner()
+        name = name or keys.spare_name(owner, secrets.token_hex(8))
+        handle = new_host(ray, owner, name, "", launcher.address, workdir, workdir_limit)
+        return Spare(handle, name, settings(launcher.address, workdir, workdir_limit))
+
+    def cuda_devices(self, spare: Spare, timeout: float) -> int:
+        """The CUDA devices the ranks of a job on ``spare`` will see (its GPU nodes' agents,
+        started by it: the kernel starts none); a LaunchError if it cannot say."""
+        from taas.errors import LaunchError
+        from taas.launch.ray.cluster import message
+
+        try:
+            return int(self._ray.get(spare.handle.cuda_devices.remote(), timeout=timeout))
+        except Exception as exc:  # broad: any Ray error means no host to run the job
+            raise LaunchError(f"taas: could not start a job host on the cluster: {message(exc)}") from None
+
+    def give_back(self, spare: Spare) -> None:
+        """``spare`` (taken, given no job) is the spare again, or let go if there is one."""
+        if self._spare is None:
+            self._spare = spare
+        else:
+            self._kill(spare)
 
     def close(self) -> None:
         spare, self._spare = self._spare, None

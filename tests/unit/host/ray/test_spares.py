@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from taas.errors import LaunchError
 from taas.host.ray import keys
 from taas.host.ray.client import host_name
 from taas.host.ray.spares import ClusterSpares
@@ -20,11 +21,13 @@ class Method:
 
     def remote(self, *args):
         self.actor.calls.append((self.name, args))
+        return self.actor.answers.get(self.name)  # what ray.get of the call's ref gives (FakeRay.get)
 
 
 class Actor:
     def __init__(self, options, args):
         self.options, self.args, self.calls = options, args, []
+        self.answers = {"cuda_devices": 8}
 
     def __getattr__(self, name):
         return Method(self, name)
@@ -55,6 +58,9 @@ class FakeRay:
 
     def kill(self, actor):
         self.killed.append(actor)
+
+    def get(self, ref, timeout=None):
+        return ref
 
     def get_actor(self, name, namespace):
         found = [a for a in self.made if a.options["name"] == name and a not in self.killed]
@@ -134,3 +140,41 @@ def test_the_record_names_the_spare_that_took_the_job_else_the_jobs_own_actor():
     assert host_name(store, "d4e5f6") == f"taas-spare-{me}-0123456789abcdef"
     with pytest.raises(ValueError):
         keys.spare_name(me, "../x")
+
+
+class FailingSession:
+    """A kernel's Session whose cell cannot become a job (a value that cannot be shipped)."""
+
+    workdir, workdir_limit = "auto", None
+
+    def __init__(self):
+        self.asked: dict = {}
+
+    def detached_job(self, *args, **kwargs):
+        self.asked = kwargs
+        raise LaunchError("cannot ship `model`")
+
+
+def test_the_host_comes_first_says_the_cuda_devices_and_stays_the_spare_if_the_cell_fails(monkeypatch):
+    """A detached cell on a cluster asks its host (the spare, else one made now) how many CUDA
+    devices the ranks see -- the kernel starts no node agents of its own -- and a cell that
+    fails before its job is handed over leaves that host as the kernel's spare, not killed."""
+    from taas.host.ray.client import start_there
+
+    monkeypatch.delenv("TAAS_WORKDIR_LIMIT", raising=False)
+    ray = FakeRay()
+    spares = ClusterSpares()
+    session = FailingSession()
+    store = RayStore(DictKV(), where="10.0.0.1:6379", owner=keys.owner())
+    with pytest.raises(LaunchError, match="cannot ship"):
+        start_there(session, Launcher(ray), store, "x = 1", {}, None, filename="<cell>", text="x = 1",
+                    hidden=frozenset(), name_for=lambda name: None, notebook="nb", hashed="x = 1", sink=None,
+                    spares=spares)
+    assert len(ray.made) == 1 and ray.killed == []
+    host = ray.made[0]
+    assert host.args[1] == ""  # made as a spare: it ends itself if this kernel goes before a job comes
+    assert ("cuda_devices", ()) in host.calls and session.asked["cuda_devices"] == 8
+    assert not [c for c in host.calls if c[0] == "start"]  # no job given
+    spare = spares.take(Launcher(ray), "auto", None)
+    assert spare is not None and spare.handle is host  # the next detached cell takes it
+    assert store.ids() == []  # no record of a job that never started
