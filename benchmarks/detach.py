@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.launching.job import THINK_TIME
+from benchmarks.launching.machine import wake_cost
 from benchmarks.launching.kernels import TRIVIAL, timed
 
 WARM_PAUSE = 10.0  # s: time enough for the job host forked after a detached cell to be warm, however busy
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--line-ranks", type=int, default=8)
     parser.add_argument("--only", choices=("start", "attach"))
     args = parser.parse_args()
+    print(wake_cost())  # what the figures below depend on most, on this machine
     if args.only in (None, "start"):
         run_start(args.ranks, args.repeat)
     if args.only in (None, "attach"):

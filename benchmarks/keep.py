@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.launching.job import THINK_TIME
+from benchmarks.launching.machine import wake_cost
 from benchmarks.launching.kernels import NBD_VERSION, TRIVIAL, NbdKernel, timed
 from benchmarks.launching.values import BIG_SAMPLE
 
@@ -224,6 +225,7 @@ def main() -> None:
 
 
 def run_all(ranks: int, repeat: int, big_mib: int, cells: int) -> None:
+    print(wake_cost())  # what the figures below depend on most, on this machine
     run_kept_kernels(ranks, repeat)
     if big_mib:
         run_kept_big(ranks, repeat, big_mib)
