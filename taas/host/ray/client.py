@@ -68,7 +68,7 @@ def start_there(session, launcher, store: RayStore, source: str, namespace: dict
     The host comes first (``spares``' warm one, else one made now): it tells the kernel how many
     CUDA devices the ranks will see, from the node agents it starts for the job anyway, so the
     kernel starts none of its own.  If the cell fails before its job is handed over, the host
-    stays as the kernel's spare."""
+    stays as the kernel's spare (let go if it could not answer)."""
     from taas.host.cells import cell_sources
 
     spares = spares or ClusterSpares()
@@ -89,6 +89,13 @@ def start_there(session, launcher, store: RayStore, source: str, namespace: dict
 
     try:
         cuda = spares.cuda_devices(host, STARTED)
+    except LaunchError:  # it cannot say: no host to keep
+        spares.let_go(host)
+        raise
+    except BaseException:  # interrupted while it warms: it stays the spare
+        spares.give_back(host)
+        raise
+    try:
         record = session.detached_job(source, namespace, options, job_name=job_id, hand_over=hand_over,
                                       filename=filename, first_line=2, sink=sink, hidden=hidden,
                                       name_for=name_for, text=text, launcher=launcher, cuda_devices=cuda)

@@ -116,6 +116,10 @@ class ClusterSpares:
         else:
             self._kill(spare)
 
+    def let_go(self, spare: Spare) -> None:
+        """``spare`` (taken, given no job) ends: it could not serve."""
+        self._kill(spare)
+
     def close(self) -> None:
         spare, self._spare = self._spare, None
         if spare is not None:

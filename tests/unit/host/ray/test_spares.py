@@ -60,6 +60,8 @@ class FakeRay:
         self.killed.append(actor)
 
     def get(self, ref, timeout=None):
+        if isinstance(ref, Exception):  # the call failed on the actor's side
+            raise ref
         return ref
 
     def get_actor(self, name, namespace):
@@ -178,3 +180,21 @@ def test_the_host_comes_first_says_the_cuda_devices_and_stays_the_spare_if_the_c
     spare = spares.take(Launcher(ray), "auto", None)
     assert spare is not None and spare.handle is host  # the next detached cell takes it
     assert store.ids() == []  # no record of a job that never started
+
+
+def test_a_host_that_cannot_say_its_cuda_devices_is_let_go_not_kept_as_the_spare(monkeypatch):
+    from taas.host.ray.client import start_there
+
+    monkeypatch.delenv("TAAS_WORKDIR_LIMIT", raising=False)
+    ray = FakeRay()
+    spares = ClusterSpares()
+    spares.prewarm(Launcher(ray), "auto", None)
+    ray.made[0].answers["cuda_devices"] = RuntimeError("the actor died")
+    session = FailingSession()
+    store = RayStore(DictKV(), where="10.0.0.1:6379", owner=keys.owner())
+    with pytest.raises(LaunchError, match="could not start a job host on the cluster: the actor died"):
+        start_there(session, Launcher(ray), store, "x = 1", {}, None, filename="<cell>", text="x = 1",
+                    hidden=frozenset(), name_for=lambda name: None, notebook="nb", hashed="x = 1", sink=None,
+                    spares=spares)
+    assert ray.killed == ray.made and session.asked == {}  # no cell was made for a host that is not there
+    assert spares.take(Launcher(ray), "auto", None) is None
