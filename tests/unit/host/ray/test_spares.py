@@ -157,21 +157,26 @@ class FailingSession:
         raise LaunchError("cannot ship `model`")
 
 
+def _detach(session, ray, store: RayStore, spares: ClusterSpares):
+    """A detached cell ``x = 1`` on the cluster, as the magic starts it."""
+    from taas.host.ray.client import start_there
+
+    return start_there(session, Launcher(ray), store, "x = 1", {}, None, filename="<cell>", text="x = 1",
+                       hidden=frozenset(), name_for=lambda name: None, notebook="nb", hashed="x = 1", sink=None,
+                       spares=spares)
+
+
 def test_the_host_comes_first_says_the_cuda_devices_and_stays_the_spare_if_the_cell_fails(monkeypatch):
     """A detached cell on a cluster asks its host (the spare, else one made now) how many CUDA
     devices the ranks see -- the kernel starts no node agents of its own -- and a cell that
     fails before its job is handed over leaves that host as the kernel's spare, not killed."""
-    from taas.host.ray.client import start_there
-
     monkeypatch.delenv("TAAS_WORKDIR_LIMIT", raising=False)
     ray = FakeRay()
     spares = ClusterSpares()
     session = FailingSession()
     store = RayStore(DictKV(), where="10.0.0.1:6379", owner=keys.owner())
     with pytest.raises(LaunchError, match="cannot ship"):
-        start_there(session, Launcher(ray), store, "x = 1", {}, None, filename="<cell>", text="x = 1",
-                    hidden=frozenset(), name_for=lambda name: None, notebook="nb", hashed="x = 1", sink=None,
-                    spares=spares)
+        _detach(session, ray, store, spares)
     assert len(ray.made) == 1 and ray.killed == []
     host = ray.made[0]
     assert host.args[1] == ""  # made as a spare: it ends itself if this kernel goes before a job comes
@@ -183,8 +188,6 @@ def test_the_host_comes_first_says_the_cuda_devices_and_stays_the_spare_if_the_c
 
 
 def test_a_host_that_cannot_say_its_cuda_devices_is_let_go_not_kept_as_the_spare(monkeypatch):
-    from taas.host.ray.client import start_there
-
     monkeypatch.delenv("TAAS_WORKDIR_LIMIT", raising=False)
     ray = FakeRay()
     spares = ClusterSpares()
@@ -193,8 +196,6 @@ def test_a_host_that_cannot_say_its_cuda_devices_is_let_go_not_kept_as_the_spare
     session = FailingSession()
     store = RayStore(DictKV(), where="10.0.0.1:6379", owner=keys.owner())
     with pytest.raises(LaunchError, match="could not start a job host on the cluster: the actor died"):
-        start_there(session, Launcher(ray), store, "x = 1", {}, None, filename="<cell>", text="x = 1",
-                    hidden=frozenset(), name_for=lambda name: None, notebook="nb", hashed="x = 1", sink=None,
-                    spares=spares)
+        _detach(session, ray, store, spares)
     assert ray.killed == ray.made and session.asked == {}  # no cell was made for a host that is not there
     assert spares.take(Launcher(ray), "auto", None) is None
