@@ -60,18 +60,18 @@ def _actor(ray, store: RayStore, job_id: str):
 
 def start_there(session, launcher, store: RayStore, source: str, namespace: dict, options, *, filename: str,
                 text: str, hidden: frozenset, name_for, notebook: str, hashed: str, sink,
-                spares: ClusterSpares | None = None) -> JobRecord:
+                spares: ClusterSpares) -> JobRecord:
     """The cell's detached job on ``launcher``'s cluster: made by ``session`` as an attached
     cluster cell's is (:meth:`taas.session.Session.detached_job`), then run by a host actor
     there (:func:`start`); its record once its ranks run.
 
-    The host comes first (``spares``' warm one, else one made now): it tells the kernel how many
+    The host comes first (``spares``' warm one, else one made now; ``spares`` is the kernel's,
+    which keeps a host the cell did not use): it tells the kernel how many
     CUDA devices the ranks will see, from the node agents it starts for the job anyway, so the
     kernel starts none of its own.  If the cell fails before its job is handed over, the host
     stays as the kernel's spare (let go if it could not answer)."""
     from taas.host.cells import cell_sources
 
-    spares = spares or ClusterSpares()
     job_id = fresh_id(store)
     host = spares.take(launcher, session.workdir, session.workdir_limit)
     if host is None:
