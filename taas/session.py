@@ -323,7 +323,10 @@ class Session(KeptRanks):
 
         plane = DataPlane.plan(values, options, world, device)
         workers = sum(i.plan.workers for i in plane.loaders) if plane is not None else 0
-        launcher.check(world + workers, device, ranks=world)  # before anything is written or started
+        if kept is None:  # before anything is written or started
+            launcher.check(world + workers, device, ranks=world)
+        elif workers:  # kept ranks run already: only this cell's loader workers start
+            launcher.check(workers, device, ranks=0)
         job_id = uuid.uuid4().hex[:12]
         lease = None
         if launcher is self.launcher and device == "cuda" and kept is None:  # kept ranks hold theirs

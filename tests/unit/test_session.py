@@ -71,3 +71,35 @@ def test_a_syntax_error_fails_before_launch_at_the_cells_line():
         _run(launcher, "x = 1\ny = (")
     assert launcher.specs == []
     assert "SyntaxError" in str(info.value) and "(line 2)" in str(info.value)
+
+
+class CheckedLauncher(OneShotLauncher):
+    """Records what the session asks it to make room for."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.checked = []
+
+    def check(self, processes, device="cpu", ranks=None):
+        self.checked.append((processes, ranks))
+
+
+class HeldNothing:
+    """Kept ranks (as the session sees them while it makes a cell's job) holding no value."""
+
+    def holds(self, name, value):
+        return False
+
+
+def test_room_is_checked_for_the_processes_a_cell_starts_and_none_on_kept_ranks():
+    launcher = CheckedLauncher()
+    session = Session(launcher)
+    try:
+        options = directive.parse_options("--gpus 2")
+        for kept in (None, HeldNothing()):
+            _, _, big = session._job(launcher, ".", "y = 1", "<cell>", 1, {}, options, Sink(),
+                                     frozenset(), None, kept=kept, keep=kept is not None)
+            big.unlink(wait=False)
+    finally:
+        session.close()
+    assert launcher.checked == [(2, 2)]  # fresh ranks: two start; kept ones run already
