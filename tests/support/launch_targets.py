@@ -113,3 +113,13 @@ def kept_rank_whose_main_thread_ends(spec):
     threading.Thread(target=lambda: (time.sleep(600), os.close(inbox.fd))).start()
     print("up", flush=True)
     ctypes.CDLL(None).pthread_exit(None)
+
+
+def hang_and_say_pid(spec):
+    """Write this process's pid to ``$TAAS_TEST_PIDS/<key>``, then hang."""
+    path = os.path.join(os.environ["TAAS_TEST_PIDS"], spec.key)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    while True:
+        time.sleep(1)

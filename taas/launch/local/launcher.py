@@ -165,6 +165,8 @@ class LocalLauncher(Launcher):
         job_dir = jobdir.create(attempt)
         store = None
         readers: dict[int, tuple[str, str]] = {}
+        job: LocalJob | None = None
+        interrupted: BaseException | None = None
         try:
             jobdir.write_files(job_dir, spec.files)
             if spec.world_size and not spec.placed:
@@ -173,7 +175,12 @@ class LocalLauncher(Launcher):
                 store, port = None, 0
             request = Spawn(attempt, spec.cwd, job_dir, tuple(_place(spec, job_dir, port)),
                             len(spec.shared_fds), tuple(spec.cleanups))
-            self._send_spawn(conn, sock, request, list(spec.shared_fds), readers)
+            # A Ctrl-C meanwhile waits until a LocalJob owns what the request starts: once the
+            # request went out, the start process makes the processes, and only a Stop ends them.
+            with deferred_interrupt():
+                self._send_spawn(conn, sock, request, list(spec.shared_fds), readers)
+                job = LocalJob(conn, self._close_starter, attempt, readers, job_dir, store, self._mail)
+                store = None  # the job owns it
         except OSError as exc:
             for r in readers:
                 os.close(r)
@@ -181,15 +188,18 @@ class LocalLauncher(Launcher):
             store = None  # its listening port closes now, not when a kept traceback goes
             self._close_starter()  # it waits for fds that will not come: start afresh
             raise LaunchError(f"could not start the job ({exc}); run the cell again") from None
-        except BaseException:  # LaunchError (no room) or Ctrl-C before the request went out
-            for r in readers:
-                os.close(r)
-            jobdir.remove(job_dir)
-            store = None  # its listening port closes now, not when a kept traceback goes
-            raise
-        job = LocalJob(conn, self._close_starter, attempt, readers, job_dir, store, self._mail)
-        store = None  # the job owns it
+        except BaseException as exc:
+            if job is None:  # LaunchError (no room), or a Ctrl-C before the request went out
+                for r in readers:
+                    os.close(r)
+                jobdir.remove(job_dir)
+                store = None  # its listening port closes now, not when a kept traceback goes
+                raise
+            interrupted = exc  # the Ctrl-C held while it went out: its processes are stopped below
+        assert job is not None
         try:
+            if interrupted is not None:
+                raise interrupted
             job.await_spawned()
         except BaseException:  # interrupted or failed while starting: leave nothing running
             if self._conn is not None:

@@ -358,3 +358,32 @@ def test_a_kept_rank_whose_main_thread_ended_is_gone_though_its_fifo_is_still_op
         job.stop(0.5)
         job.close()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_interrupt_as_the_start_request_goes_out_leaves_no_process(launcher, tmp_path, monkeypatch):
+    """A Ctrl-C while a job's start request goes out is held until the request went whole, then
+    raised: the processes the start process makes of it anyway are stopped, not left running."""
+    import signal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
+    pidfile = tmp_path / "rank0"
+    send = LocalLauncher._send_spawn
+
+    def interrupted(*args):
+        send(*args)
+        deadline = time.monotonic() + 60
+        while not pidfile.exists():  # the start process made the process
+            assert time.monotonic() < deadline, "the process never started"
+            time.sleep(0.01)
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, now
+
+    monkeypatch.setattr(LocalLauncher, "_send_spawn", staticmethod(interrupted))
+    spec = LaunchSpec(job_id=f"t{time.monotonic_ns()}", cwd=str(tmp_path), processes=(
+        ProcessSpec(key="rank0", entry="tests.support.launch_targets:hang_and_say_pid",
+                    env={"TAAS_TEST_PIDS": str(tmp_path)}),))
+    with pytest.raises(KeyboardInterrupt):
+        launcher.start(spec)
+    monkeypatch.undo()
+    assert_gone([int(pidfile.read_text())])
+    pids, exits, _ = run(launcher, tmp_path, "echo")  # the launcher starts the next job as ever
+    assert exits == {"rank0": 0, "rank1": 0}
