@@ -53,8 +53,9 @@ def import_shielded(*names: str) -> None:
 
 
 def interrupt_thread(ident: int) -> None:
-    """Interrupt thread ``ident`` (not the main thread: a SIGINT does that): it raises
-    KeyboardInterrupt at its next :func:`checkpoint`."""
+    """Interrupt thread ``ident`` (another thread: a SIGINT interrupts the main one; or the main
+    thread itself, to have an interrupt held by :func:`deferred_interrupt` land at a loop's
+    checkpoint): it raises KeyboardInterrupt at its next :func:`checkpoint`."""
     _asked.add(ident)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import threading
 import time
 
 from taas.errors import JobFailed
@@ -34,7 +35,7 @@ from taas.io import failure, hang
 from taas.io.output import OutputRouter
 from taas.job.api import Job
 from taas.launch.api import RESULT, LaunchError
-from taas.shield import checkpoint, deferred_interrupt
+from taas.shield import checkpoint, deferred_interrupt, interrupt_thread
 from taas.supervisor import diagnosis, events
 from taas.supervisor.celldata import Both, CellData
 from taas.supervisor.kept import Kept
@@ -96,8 +97,11 @@ class KeptCell:
         blob = pickle.dumps(dataclasses.replace(job.payload, loaders=settings),
                             protocol=pickle.HIGHEST_PROTOCOL)
         result = f"result-{job.job_id}.pkl"
-        with deferred_interrupt():  # every rank gets the cell, or none does
-            self.kept.handle.next_cell({payload: blob}, payload, result)
+        try:
+            with deferred_interrupt():  # every rank gets the cell, or none does
+                self.kept.handle.next_cell({payload: blob}, payload, result)
+        except KeyboardInterrupt:  # held while the cell went out: every rank runs it now, so the
+            interrupt_thread(threading.get_ident())  # watch's first checkpoint interrupts them
         return result
 
     def _run(self, data: CellData | None) -> Outcome:

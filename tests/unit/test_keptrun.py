@@ -265,3 +265,41 @@ def test_a_rank_gone_between_the_check_and_the_next_cell_gives_fresh_ranks_and_o
                          "so their state is lost; this cell starts fresh ranks\n"], sink.text
     finally:
         session.close()
+
+
+class InterruptedAsItGoes(KeptHandle):
+    """Kept ranks whose next cell meets a Ctrl-C as it goes out to them (held until it went:
+    taas.shield.deferred_interrupt); they return from the cell when interrupted."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.interrupted: list[str] = []
+
+    def next_cell(self, files, payload, result):
+        import signal
+
+        self.payloads.append(pickle.loads(files[payload]))  # the ranks run it: no done yet
+        signal.raise_signal(signal.SIGINT)
+
+    def interrupt(self, keys):
+        self.interrupted += list(keys)
+        self.script = [OutputChunk(k, "events", b'{"kind": "done", "failed": true}\n') for k in keys]
+        return list(keys)
+
+
+def test_a_ctrl_c_as_a_kept_cell_goes_out_interrupts_it_on_the_ranks_which_stay():
+    import signal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
+    launcher = KeepingLauncher()
+    launcher.start = lambda spec: launcher.handles.append(InterruptedAsItGoes(spec)) or launcher.handles[-1]
+    session = Session(launcher)
+    try:
+        session.run_cell("x = 1", {}, directive.parse_options("--gpus 2 --keep"), sink=Sink())
+        [handle] = launcher.handles
+        with pytest.raises(KeyboardInterrupt):
+            session.run_cell("import time\ntime.sleep(600)", {}, directive.parse_options(""), sink=Sink())
+        assert handle.interrupted == ["rank0", "rank1"]  # not left running the cell
+        assert session.kept is not None and session.kept.handle is handle  # the ranks and state stay
+    finally:
+        session.close()
