@@ -84,11 +84,11 @@ class LocalLauncher(Launcher):
                         env=env,
                         start_new_session=True,  # the kernel's interrupt (SIGINT to its group) is its own
                     ).result()
+                self._sock = ours  # with the process: a Ctrl-C never leaves one we cannot reach
+                self._conn = Connection(os.dup(ours.fileno()))
+                self._ready = False
         finally:
             theirs.close()
-        self._sock = ours
-        self._conn = Connection(os.dup(ours.fileno()))
-        self._ready = False
 
     def _ensure_ready(self) -> Connection:
         self.warm()

@@ -387,3 +387,32 @@ def test_an_interrupt_as_the_start_request_goes_out_leaves_no_process(launcher, 
     assert_gone([int(pidfile.read_text())])
     pids, exits, _ = run(launcher, tmp_path, "echo")  # the launcher starts the next job as ever
     assert exits == {"rank0": 0, "rank1": 0}
+
+
+def test_an_interrupt_while_the_start_process_starts_leaves_a_launcher_that_starts_jobs(tmp_path, monkeypatch):
+    """A Ctrl-C held while the start process is started is raised once the launcher can reach
+    it: the next job starts (before, the launcher kept a process it had no socket to)."""
+    import signal
+
+    from taas.launch.local import launcher as module
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
+    submit = module._spawner.submit
+
+    def interrupted(*args, **kwargs):
+        future = submit(*args, **kwargs)
+        future.result()
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as the process starts
+        return future
+
+    local = LocalLauncher()
+    try:
+        monkeypatch.setattr(local, "_fork_start", False)
+        monkeypatch.setattr(module._spawner, "submit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            local.warm()
+        monkeypatch.undo()
+        pids, exits, _ = run(local, tmp_path, "echo")
+        assert exits == {"rank0": 0, "rank1": 0}
+    finally:
+        local.shutdown()
