@@ -12,6 +12,7 @@ starts it, views it, interrupts it, takes its results (:mod:`taas.host.remote`).
     RunJob + Job (cloudpickle) + fds  ──>    Supervisor(launcher, job, WireSink).run()
                             <── Show*, Metrics*, Ask (an input box; Answer back)
     Interrupt (Ctrl-C)                ──>    SIGINT to the main thread: the supervisor's interrupt path
+                                             (the job not taken yet: answered as interrupted)
                             <── JobDone(states, outcome, the loaders' figures, kept) [+ CellFailed]
 
 The host ends when the kernel does: its end of the socket closes, or the kernel's pid ends
@@ -47,6 +48,7 @@ class Serving:
         self.jobs: queue.Queue = queue.Queue()
         self.answers: queue.Queue = queue.Queue()
         self.busy = False  # a job was sent and has not been answered: an Interrupt is for it
+        self.early = False  # an Interrupt came for the job sent before it was taken (_on_int)
         self.labels: dict[str, str] = {}  # the cells' file names -> how tracebacks name them
         self.kept = None  # the kept ranks this kernel has here (taas.supervisor.kept.Kept), if any
         try:
@@ -83,28 +85,35 @@ class Serving:
 
     # -- the main thread -----------------------------------------------------------------------
     def serve(self) -> None:
+        # Between jobs SIGINT is ours (_on_int, which never raises: a KeyboardInterrupt outside
+        # a job would end the host); while a job runs it is Python's, so that the steps the
+        # supervisor and the launcher shield (taas.shield.deferred_interrupt) are never cut.
         signal.signal(signal.SIGINT, self._on_int)
         while True:
-            item = self.jobs.get()
-            if isinstance(item[0], KeptCall):
-                self._call(item[0])
-                continue
-            answered: list = []
             try:
-                # Python's own handler while the job runs, so that the steps the supervisor and
-                # the launcher shield (taas.shield.deferred_interrupt) are never cut.
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                try:
-                    self._run(*item, answered=answered)
-                except KeyboardInterrupt:  # an Interrupt that came just before the job ran
-                    if not answered:
-                        unrun = Run(self.launcher, *item, None, self.labels, kept=self.kept)
-                        unrun.close_fds()
-                        self._answer(unrun, KeyboardInterrupt(), answered)
-            except KeyboardInterrupt:  # one that came as the answer went: the job had ended
-                pass
-            finally:
+                self._serve_one()
+            except KeyboardInterrupt:  # one that came as a job ended, before ours was back
                 signal.signal(signal.SIGINT, self._on_int)
+
+    def _serve_one(self) -> None:
+        item = self.jobs.get()
+        if isinstance(item[0], KeptCall):
+            self._call(item[0])
+            return
+        answered: list = []
+        try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if self.early:  # its Interrupt came while it waited to be taken
+                self.early = False
+                raise KeyboardInterrupt
+            self._run(*item, answered=answered)
+        except KeyboardInterrupt:  # an Interrupt that came just before the job ran
+            if not answered:
+                unrun = Run(self.launcher, *item, None, self.labels, kept=self.kept)
+                unrun.close_fds()
+                self._answer(unrun, KeyboardInterrupt(), answered)
+        finally:
+            signal.signal(signal.SIGINT, self._on_int)
 
     def _run(self, message: RunJob, body: bytes, fds: list[int], answered: list) -> None:
         while not self.answers.empty():  # answers to a job before this one
@@ -120,10 +129,10 @@ class Serving:
             self.kept = run.kept
 
     def _answer(self, run: Run, exc: BaseException | None, answered: list) -> None:
-        if answered:
-            return
-        answered.append(True)
-        with deferred_interrupt():  # the answer's frames go whole (a late Interrupt is dropped)
+        with deferred_interrupt():  # the answer's frames go whole, once (a late Interrupt is dropped)
+            if answered:
+                return
+            answered.append(True)
             self.busy = False  # before the answer: the kernel's next RunJob may follow at once
             self.kept = run.kept
             answer(self.sock, run, exc)
@@ -144,8 +153,8 @@ class Serving:
             pass
 
     def _on_int(self, signum, frame) -> None:
-        if self.busy:  # the kernel's Interrupt: only a job hears it
-            raise KeyboardInterrupt
+        if self.busy:  # the kernel's Interrupt for the job it just sent, not taken yet: noted
+            self.early = True
 
 
 def main(argv: list[str]) -> None:

@@ -321,3 +321,41 @@ def test_shared_files_cross_a_door_with_no_descriptors_as_their_bytes():
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_an_interrupt_right_after_a_job_was_sent_interrupts_it_and_the_host_stays(hosted, monkeypatch):
+    """Ctrl-C at once after running a cell: the Interrupt reaches the host while the job waits
+    to be taken (or runs).  The cell is interrupted or ran; the host never ends over it."""
+    from taas.host import remote
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
+    send, send_fds, late = channel.send, socket.send_fds, []
+
+    def run_job_then_interrupt(sock, message, body=b""):
+        send(sock, message, body)
+        if isinstance(message, RunJob):
+            (late.append if message.fds else lambda _: send(sock, Interrupt()))(sock)
+
+    def fds_then_interrupt(sock, buffers, fds):
+        sent = send_fds(sock, buffers, fds)
+        while late:
+            send(late.pop(), Interrupt())
+        return sent
+
+    monkeypatch.setattr(remote.channel, "send", run_job_then_interrupt)
+    monkeypatch.setattr(remote.socket, "send_fds", fds_then_interrupt)
+    try:
+        hosted.warm()
+        host = hosted.job_host.proc.pid
+        ends = []
+        for _ in range(5):
+            try:
+                hosted.run_cell("y = 1\n", {}, directive.parse_options("--gpus 1"), sink=Recorder())
+                ends.append("ran")
+            except KeyboardInterrupt:
+                ends.append("interrupted")
+        assert hosted.job_host.proc.pid == host and hosted.job_host.lost() is None, ends
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        monkeypatch.undo()
+    assert hosted.run_cell("y = 2\n", {}, directive.parse_options("--gpus 1"), sink=Recorder()).values["y"] == 2
