@@ -212,9 +212,20 @@ class LocalJob(JobHandle):
         if data:
             self._pending.append(OutputChunk(key, stream, data))
         else:
-            self._selector.unregister(fd)
+            self._drop(fd)
+
+    def _drop(self, fd: int) -> None:
+        """Stop reading the pipe ``fd`` and close it, as one step: a Ctrl-C halfway would leave
+        it closed but listed, and :meth:`close` would close that number again (by then another
+        file's) or fail the job's clean-up on an fd no longer registered."""
+        with deferred_interrupt():
+            if self._readers.pop(fd, None) is None:
+                return
+            try:
+                self._selector.unregister(fd)
+            except (KeyError, ValueError):  # never registered, or the selector is closed
+                pass
             os.close(fd)
-            del self._readers[fd]
 
     # -- kept ranks (taas.launch.api: next_cell, interrupt) ----------------------------------
     def lost(self) -> str | None:
@@ -333,9 +344,7 @@ class LocalJob(JobHandle):
         self.stop()
         self._mail.close(self.job_id)
         for fd in list(self._readers):
-            self._selector.unregister(fd)
-            os.close(fd)
-        self._readers.clear()
+            self._drop(fd)
         self._selector.close()
         self._store = None  # closes its listening port
         if self.job_dir:

@@ -416,3 +416,34 @@ def test_an_interrupt_while_the_start_process_starts_leaves_a_launcher_that_star
         assert exits == {"rank0": 0, "rank1": 0}
     finally:
         local.shutdown()
+
+
+def test_an_interrupt_as_a_process_output_ends_leaves_a_job_that_closes(launcher, tmp_path):
+    """A Ctrl-C that lands as the launcher stops reading a process's finished output (the
+    restart loop's interrupt, as a failed rank exits): the job still closes, each pipe once."""
+    import signal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
+    spec = LaunchSpec(job_id=f"t{time.monotonic_ns()}", cwd=str(tmp_path), processes=(
+        ProcessSpec(key="rank0", entry="tests.support.launch_targets:echo"),))
+    job = launcher.start(spec)
+    selector = job._selector
+    unregister = selector.unregister
+
+    def interrupted(fd):
+        key = unregister(fd)
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as the pipe is let go
+        return key
+
+    selector.unregister = interrupted
+    interrupts, exited, deadline = 0, False, time.monotonic() + 60
+    try:
+        while not exited and time.monotonic() < deadline:
+            try:
+                exited = any(isinstance(e, ProcessExit) for e in job.events(0.05))
+            except KeyboardInterrupt:
+                interrupts += 1
+    finally:
+        del selector.unregister
+    job.close()
+    assert exited and interrupts >= 1
