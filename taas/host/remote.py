@@ -45,6 +45,7 @@ from taas.host.cells import cell_sources, rebuilt
 from taas.host.wire import file_bytes
 from taas.job import crossing
 from taas.job.api import World
+from taas.shield import deferred_interrupt
 from taas.supervisor.kept import Kept
 
 log = logging.getLogger(__name__)
@@ -210,11 +211,14 @@ class RemoteSupervisor:
         if self.host.inline_fds:
             message = dataclasses.replace(message, fds=0)
         try:
-            channel.send(sock, message, body)
-            if job.shared_fds and not self.host.inline_fds:
-                socket.send_fds(sock, [b"F"], list(job.shared_fds))
+            with deferred_interrupt():  # the job goes whole: a frame cut halfway derails the stream
+                channel.send(sock, message, body)
+                if job.shared_fds and not self.host.inline_fds:
+                    socket.send_fds(sock, [b"F"], list(job.shared_fds))
         except OSError:
             self._gone()
+        except KeyboardInterrupt:  # held while it went: the host has the job, so it is interrupted there
+            self._interrupt()
         while True:
             try:
                 select.select([sock], [], [])  # nothing read yet: an interrupt may land here

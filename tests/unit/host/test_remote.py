@@ -359,3 +359,36 @@ def test_an_interrupt_right_after_a_job_was_sent_interrupts_it_and_the_host_stay
         signal.signal(signal.SIGINT, previous)
         monkeypatch.undo()
     assert hosted.run_cell("y = 2\n", {}, directive.parse_options("--gpus 1"), sink=Recorder()).values["y"] == 2
+
+
+class _Interrupted(_Recorded):
+    """A 'host' that takes the job, waits for its Interrupt, then says it ended."""
+
+    def _play(self):
+        self.received.append(channel.recv(self.theirs)[0])
+        self.received.append(channel.recv(self.theirs)[0])
+        channel.send(self.theirs, JobDone(states=["interrupted"]), pickle.dumps((Outcome(), [], None)))
+
+
+def test_a_ctrl_c_as_the_job_goes_to_the_host_sends_it_whole_then_interrupts_it_there(monkeypatch):
+    from taas.host import remote as module
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
+    send = channel.send
+
+    def interrupted(sock, message, body=b""):
+        send(sock, message, body)
+        if isinstance(message, RunJob):
+            signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as the job goes out
+
+    monkeypatch.setattr(module.channel, "send", interrupted)
+    host = _Interrupted([])
+    escaped = False
+    try:
+        RemoteSupervisor(host, _job(), Recorder()).run()  # the host's answer ends it
+    except KeyboardInterrupt:  # before the job was watched: left running on the host
+        escaped = True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    host.thread.join(5)
+    assert not escaped and [type(m) for m in host.received] == [RunJob, Interrupt]
