@@ -89,15 +89,20 @@ def agent_store(world: int, host: str = "127.0.0.1"):
     closes it when the store is freed)."""
     import torch.distributed as dist
 
+    from taas.shield import deferred_interrupt
+
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind((host, 0))
         listener.listen(min(max(world, 128), socket.SOMAXCONN))
         port = listener.getsockname()[1]
-        store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
-                              master_listen_fd=listener.fileno())
+        # The store takes the socket as one step: a Ctrl-C between its creation and the detach
+        # would have both close it (the second close hits whatever file has that number now).
+        with deferred_interrupt():
+            store = dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
+                                  master_listen_fd=listener.fileno())
+            listener.detach()
     except BaseException:  # Ctrl-C included: close the socket the store did not take; re-raised
-        listener.close()
+        listener.close()  # nothing when the store took it (detached)
         raise
-    listener.detach()
     return store, port
