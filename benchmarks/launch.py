@@ -10,9 +10,11 @@ Printed: median wall time of each way to start the job, and the ratios the proje
 session, warm jobs side by side: plain, and reading a --big-mib notebook tensor (the time it
 adds, and the job's peak memory with and without it; see _MemorySampler for how).  "cold" is a new
 session whose start process is launched at the moment the cell runs (the worst case: in a
-notebook ``%load_ext taas`` starts it in the background beforehand); "warm" is the next cell,
-run THINK_TIME seconds later (untimed), as a person would: the start process uses that pause to
-fork the next job's processes ahead.
+notebook ``%load_ext taas`` starts it in the background beforehand); "first" is the first cell of
+a session made as ``%load_ext taas`` makes one, run LOAD_PAUSE seconds later (the extension's
+background start has ended: what a person who loads it, then writes a cell, waits for); "warm"
+is the next cell, run THINK_TIME seconds later (untimed), as a person would: the start process
+uses that pause to fork the next job's processes ahead.
 
 Then results back, in one session: warm jobs side by side whose rank 0 binds a --result-mib
 tensor, or a model of that size, against the plain warm job and against the same job that makes
@@ -40,6 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.launching.job import THINK_TIME, body, new_session, run_taas, run_torchrun
 from benchmarks.launching.kernels import run_kernels
 from benchmarks.launching.values import run_big, run_results
+
+LOAD_PAUSE = 15.0  # s: %load_ext's background start (the start process and the job host import torch) is over
 
 
 def main() -> None:
@@ -72,9 +76,16 @@ def main() -> None:
         script = os.path.join(tmp, "job.py")
         with open(script, "w") as f:
             f.write(source)
-        torchrun, cold, warm, inkernel = [], [], [], []
+        torchrun, cold, first, warm, inkernel = [], [], [], [], []
         for _ in range(args.repeat):  # interleaved, so drift on a shared machine hits all alike
             torchrun.append(run_torchrun(script, args.ranks))
+            session = new_session()
+            try:
+                session.warm()  # as %load_ext does
+                time.sleep(LOAD_PAUSE)  # untimed: the person writes the first cell
+                first.append(run_taas(session, source, args.ranks, args.device))
+            finally:
+                session.close()
             session = new_session()
             try:
                 cold.append(run_taas(session, source, args.ranks, args.device))
@@ -97,6 +108,7 @@ def main() -> None:
 
     print(f"{args.ranks} ranks, {backend}, {args.steps} DDP steps, median of {args.repeat} runs")
     print(f"  wall   torchrun {med(torchrun, 0):7.3f} s | taas cold {med(cold, 0):7.3f} s "
+          f"| taas first after %load_ext and a {LOAD_PAUSE:g} s pause {med(first, 0):7.3f} s "
           f"| taas warm {med(warm, 0):7.3f} s")
     print(f"  step   torchrun {med(torchrun, 1):7.3f} ms | taas cold {med(cold, 1):7.3f} ms "
           f"| taas warm {med(warm, 1):7.3f} ms")

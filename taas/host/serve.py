@@ -163,7 +163,17 @@ def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=int(argv[0]))
     launcher = launcher_from_env()
     launcher.warm()  # the start process imports torch while the kernel waits for its first cell
+    preload()
     Serving(sock, int(argv[1]), launcher).serve()
+
+
+def preload() -> None:
+    """What a job imports here, imported before the first one comes: the first cell would
+    otherwise wait for torch (its rendezvous store: benchmarks/launch.py's "first" cell, 1.4 s
+    against 0.34 s), shielded (a module left half imported would fail every later job)."""
+    from taas.shield import import_shielded
+
+    import_shielded("torch.distributed", "taas.supervisor.supervisor", "taas.supervisor.cell", "taas.host.wire")
 
 
 if __name__ == "__main__":

@@ -392,3 +392,27 @@ def test_a_ctrl_c_as_the_job_goes_to_the_host_sends_it_whole_then_interrupts_it_
         signal.signal(signal.SIGINT, previous)
     host.thread.join(5)
     assert not escaped and [type(m) for m in host.received] == [RunJob, Interrupt]
+
+
+def test_a_ctrl_c_during_a_new_hosts_first_job_leaves_a_host_that_runs_the_next():
+    """An interrupt early in a new host's first job (what the host imports for its jobs, it
+    imports before it takes one, shielded) leaves a host whose next job runs."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
+    main = threading.main_thread().ident
+    session = Session()
+    session.job_host = KernelHost()
+    try:
+        session.warm()
+        timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+        try:
+            timer.start()
+            session.run_cell("import time\ntime.sleep(30)\n", {}, directive.parse_options("--gpus 2"),
+                             sink=Recorder())
+        except KeyboardInterrupt:
+            pass
+        timer.join()
+        run = session.run_cell("y = 2\n", {}, directive.parse_options("--gpus 2"), sink=Recorder())
+        assert run.values["y"] == 2
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        session.close()
