@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 
 from taas.host import channel
@@ -74,7 +73,7 @@ class Door(HostLink):
         or None when they wait for this kernel's next cell."""
         if self.ended is None and self.sock is not None:
             try:
-                ready, _, _ = select.select([self.sock], [], [], 0)
+                ready = channel.readable([self.sock], 0)
                 if ready:
                     message, _ = channel.recv(self.sock)
                     if isinstance(message, Ended):

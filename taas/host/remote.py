@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import os
 import pickle
-import select
 import socket
 import subprocess
 import sys
@@ -221,7 +220,7 @@ class RemoteSupervisor:
             self._interrupt()
         while True:
             try:
-                select.select([sock], [], [])  # nothing read yet: an interrupt may land here
+                channel.readable([sock])  # nothing read yet: an interrupt may land here
             except KeyboardInterrupt:
                 self._interrupt()
                 continue

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import select
 import signal
 import socket
 import sys
@@ -55,14 +54,23 @@ class Serving:
             self.kernel = os.pidfd_open(kernel_pid)
         except (OSError, AttributeError):  # no pidfd: the socket alone says the kernel went
             self.kernel = None
-        threading.Thread(target=self._read, name="taas-host-reader", daemon=True).start()
+        threading.Thread(target=self._reader, name="taas-host-reader", daemon=True).start()
 
     # -- the reader thread ---------------------------------------------------------------------
+    def _reader(self) -> None:
+        """:meth:`_read`; whatever ends it ends this host (and so its jobs): a host left with no
+        reader would wait for ever, its start process and ranks with it, after its kernel died."""
+        try:
+            self._read()
+        except BaseException:
+            log.exception("the job host's reader failed: the host ends, and its jobs with it")
+        os._exit(1)
+
     def _read(self) -> None:
         watched = [self.sock] + ([self.kernel] if self.kernel is not None else [])
         while True:
             try:
-                ready, _, _ = select.select(watched, [], [])
+                ready = channel.readable(watched)
                 if self.kernel in ready:
                     raise EOFError("the kernel ended")
                 message, body = channel.recv(self.sock)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import select
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+from taas.host import channel
 from taas.host.api import FDS_AT_ONCE, Fork, Running, Take, decode, encode
 from taas.jobs.store import JobError, Store
 
@@ -119,7 +119,7 @@ def _hosts_folder(store: Store) -> pathlib.Path:
 def _peer_gone(sock: socket.socket) -> bool:
     """Whether the other end of ``sock`` closed (it exited), without taking a message."""
     try:
-        ready, _, _ = select.select([sock], [], [], 0)
+        ready = channel.readable([sock], 0)
         if not ready:
             return False
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
@@ -206,7 +206,7 @@ class _Spare:
 
     def wait(self, timeout: float) -> Running | None:
         """The host's next word within ``timeout`` s; ``Running(ended=True)`` if it is gone."""
-        ready, _, _ = select.select([self.sock], [], [], timeout)
+        ready = channel.readable([self.sock], timeout)
         if not ready:
             return None
         try:

@@ -416,3 +416,32 @@ def test_a_ctrl_c_during_a_new_hosts_first_job_leaves_a_host_that_runs_the_next(
     finally:
         signal.signal(signal.SIGINT, previous)
         session.close()
+
+
+def test_a_kernel_with_over_a_thousand_files_open_gets_a_host_that_runs_its_jobs():
+    """The kernel's socket to its host numbered past 1023 (many files open, the limit raised):
+    the host waits on it with poll(2); select(2) refused it, the host's reader died, and the
+    cell waited for ever while the host outlived the kernel."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the open-file limit ({hard}) leaves no room past fd 1023")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the next fds are past 1023
+    session = Session()
+    session.job_host = KernelHost()
+    try:
+        session.warm()
+        assert session.job_host.sock.fileno() > 1023
+        done: list = []
+        cell = threading.Thread(target=lambda: done.append(session.run_cell(
+            "y = 3\n", {}, directive.parse_options("--gpus 1"), sink=Recorder())), daemon=True)
+        cell.start()
+        cell.join(120)
+        assert done and done[0].values["y"] == 3
+    finally:
+        session.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
