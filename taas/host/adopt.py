@@ -75,7 +75,8 @@ class Door(HostLink):
             try:
                 ready = channel.readable([self.sock], 0)
                 if ready:
-                    message, _ = channel.recv(self.sock)
+                    with channel.noting([]):  # read whole
+                        message, _ = channel.recv(self.sock)
                     if isinstance(message, Ended):
                         self.ended = message.line
             except (OSError, EOFError, channel.ProtocolError) as exc:

@@ -106,10 +106,12 @@ class HostLink:
         sock = self.sock
         if sock is None:
             return gone
+        noted: list = []  # a Ctrl-C meanwhile is dropped: the answer comes, and frames are read whole
         try:
             channel.send(sock, KeptCall(what))
             while True:
-                message, _ = channel.recv(sock)
+                with channel.noting(noted):
+                    message, _ = channel.recv(sock)
                 if isinstance(message, KeptAnswer):
                     return message.value
                 if isinstance(message, Show) and message.call in SHOWN and sink is not None:
@@ -242,7 +244,8 @@ class RemoteSupervisor:
                     job.data.take_figures(figures)
                 self._kept(kept)
                 if failed:
-                    failure, report = self._next(sock)
+                    with channel.noting(noted):  # read whole (the job has ended: a Ctrl-C now is moot)
+                        failure, report = self._next(sock)
                     raise rebuilt(failure, report)
                 return self.outcome
 

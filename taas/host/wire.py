@@ -46,7 +46,8 @@ class WireSink:
         if self.gone:
             return
         try:
-            with self._lock:
+            # Whole, or the kernel's stream loses its place (a Ctrl-C while a big frame goes out)
+            with deferred_interrupt(), self._lock:
                 channel.send(self.conn, message, body)
         except OSError:
             self.gone = True
