@@ -47,6 +47,7 @@ from taas.launch.api import cuda_device_count
 from taas.leases import inventory
 from taas.leases.locks import Lease
 from taas.leases.wait import for_cell, machine_lines
+from taas.shield import deferred_interrupt
 from taas.supervisor.kept import Kept, Keeper
 from taas.supervisor.supervisor import Supervisor
 from taas.wiring import group_timeout, launcher_from_env, process_env, rebound_loaders, transport_for
@@ -202,8 +203,9 @@ class Session(KeptRanks):
             try:
                 self.resident.settle()  # big tensors moved during the job: done before user code runs
             finally:
-                self._let_go()  # the ranks' own copies (kept ones) still hold the GPUs
-                self._running.release()
+                with deferred_interrupt():  # a Ctrl-C here must not keep the lock: no cell would run again
+                    self._let_go()  # the ranks' own copies (kept ones) still hold the GPUs
+                    self._running.release()
 
     def _run_cell(self, source: str, namespace: dict, options: directive.JobOptions, *,
                   filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
@@ -234,10 +236,12 @@ class Session(KeptRanks):
         job, plane, big = self._job(launcher, cwd, source, filename, first_line, namespace,
                                     options, sink, hidden, name_for, kept=kept, keep=keep, text=text,
                                     post_mortem=post_mortem, cuda_devices=cuda_devices())
-        self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
-                             loaders=sorted(i.name for i in plane.loaders) if plane else [],
-                             config=options.config, cluster=address)
-        if keep:
+        try:
+            self.last = JobStats(job.job_id, job.world.size, job.world.device, job.world.backend,
+                                 loaders=sorted(i.name for i in plane.loaders) if plane else [],
+                                 config=options.config, cluster=address)
+            if not keep:
+                return self._run(launcher, job, plane, big, self.last, sink, name_for)
             try:
                 return self._run_kept(launcher, job, big, options, sink, name_for)
             except KeptRanksGone as gone:  # a rank ended since the check above: nothing was sent
@@ -247,10 +251,10 @@ class Session(KeptRanks):
                 sink.write("stderr", f"taas: released the kept ranks ({was.size} on {was.device}/"
                            f"{was.backend}): {gone.reason}, so their state is lost; this cell starts "
                            "fresh ranks\n")
-                return self._run_cell(source, namespace, options, filename=filename, first_line=first_line,
-                                      sink=sink, hidden=hidden, name_for=name_for, text=text,
-                                      post_mortem=post_mortem)
-        return self._run(launcher, job, plane, big, self.last, sink, name_for)
+            return self._run_cell(source, namespace, options, filename=filename, first_line=first_line,
+                                  sink=sink, hidden=hidden, name_for=name_for, text=text, post_mortem=post_mortem)
+        finally:  # what the run's own clean-up did not get to (a Ctrl-C before it began): its files
+            big.unlink(wait=False)  # and results channel (a no-op after it, or once kept ranks own it)
 
     def detached_job(self, source: str, namespace: dict, options: directive.JobOptions, *, job_name: str,
                      hand_over, filename: str = "<taas cell>", first_line: int = 1, sink: Sink | None = None,
@@ -287,12 +291,13 @@ class Session(KeptRanks):
             big.paths = []  # the host's now (its launcher's cleanups remove them)
             return said
         finally:
-            self.job_name = name
-            if big is not None:
-                big.unlink(wait=False)
-            self.resident.settle()
-            self._let_go()  # our copies of the lease: the host's keep the GPUs
-            self._running.release()
+            with deferred_interrupt():  # whole: a Ctrl-C here must not keep the lock (no cell would run)
+                self.job_name = name
+                if big is not None:
+                    big.unlink(wait=False)
+                self.resident.settle()
+                self._let_go()  # our copies of the lease: the host's keep the GPUs
+                self._running.release()
 
     def _busy(self) -> LaunchError:
         return LaunchError(f"a taas job is already running in this kernel (started at {self._running_since}); "
@@ -340,41 +345,45 @@ class Session(KeptRanks):
         # Kept ranks started before this cell cannot receive descriptors: big values go as files.
         big = BigValues(job_id, resident=None if kept is not None else self.resident,
                         files=launcher is self.launcher)
-        blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
-        # Rank 0's big results come back as memory files on a channel, on this machine only.
-        # Kept ranks already have theirs (their first cell's, taas.supervisor.kept.Kept.channel).
-        returning = big.open_results_channel() if options.results and big.files and kept is None and channel else {}
-        if launcher is not self.launcher:
-            self.resident.settle()  # a cluster launcher reads the files' bytes to send them
-        if self._device_changed(options, note) and note:
-            write_note(sink, note, INFO)
-        for line in rebound + big.notes:
-            write_note(sink, line, WARN)
-        log.debug("job %s: %d ranks on %s (%s), %d names shipped (%d bytes), %d loader workers",
-                  job_id, world, device, backend, len(values), len(blob), workers)
-        if keep:
-            log.debug("kept ranks: shipped %s", ", ".join(sorted(values)) or "nothing")
-            self._shipped = values
-        return Job(
-            job_id=job_id, cwd=cwd,
-            payload=package.Payload(
-                source=source, filename=filename, first_line=first_line, names=blob,
-                bound=cell.bound, device=device, backend=backend,
-                pg_timeout=group_timeout(options.timeout), results=options.results,
-                results_to_cpu=results.results_to_cpu(options.results_device, local_cuda),
-                text=text if text != source else None, post_mortem=post_mortem),
-            world=World(world, device, backend),
-            policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
-                          stall=options.stall, storage=options.storage,
-                          show=None if options.show is None else frozenset(keys.rank_key(r) for r in options.show),
-                          results=options.results),
-            data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
-            env=dict(process_env(world) | returning | (lease.env() if lease else {}),
-                     **({"TAAS_KEEP": "1"} if keep else {})),
-            # resident big tensors, results channel; the GPU lease's files: every process holds it
-            shared_fds=tuple(big.fds) + (lease.fds if lease else ()),
-            cleanups=tuple(big.cleanups()),
-        ), plane, big
+        try:
+            blob = package.ship(values, plane.stand_ins() if plane is not None else None, big)
+            # Rank 0's big results come back as memory files on a channel, on this machine only.
+            # Kept ranks already have theirs (their first cell's, taas.supervisor.kept.Kept.channel).
+            returning = big.open_results_channel() if options.results and big.files and kept is None and channel else {}
+            if launcher is not self.launcher:
+                self.resident.settle()  # a cluster launcher reads the files' bytes to send them
+            if self._device_changed(options, note) and note:
+                write_note(sink, note, INFO)
+            for line in rebound + big.notes:
+                write_note(sink, line, WARN)
+            log.debug("job %s: %d ranks on %s (%s), %d names shipped (%d bytes), %d loader workers",
+                      job_id, world, device, backend, len(values), len(blob), workers)
+            if keep:
+                log.debug("kept ranks: shipped %s", ", ".join(sorted(values)) or "nothing")
+                self._shipped = values
+            return Job(
+                job_id=job_id, cwd=cwd,
+                payload=package.Payload(
+                    source=source, filename=filename, first_line=first_line, names=blob,
+                    bound=cell.bound, device=device, backend=backend,
+                    pg_timeout=group_timeout(options.timeout), results=options.results,
+                    results_to_cpu=results.results_to_cpu(options.results_device, local_cuda),
+                    text=text if text != source else None, post_mortem=post_mortem),
+                world=World(world, device, backend),
+                policy=Policy(timeout=options.timeout, max_restarts=options.max_restarts,
+                              stall=options.stall, storage=options.storage,
+                              show=None if options.show is None else frozenset(keys.rank_key(r) for r in options.show),
+                              results=options.results),
+                data=plane, transport=transport_for(launcher.topology(world)) if plane is not None else None,
+                env=dict(process_env(world) | returning | (lease.env() if lease else {}),
+                         **({"TAAS_KEEP": "1"} if keep else {})),
+                # resident big tensors, results channel; the GPU lease's files: every process holds it
+                shared_fds=tuple(big.fds) + (lease.fds if lease else ()),
+                cleanups=tuple(big.cleanups()),
+            ), plane, big
+        except BaseException:  # a value that could not ship, a Ctrl-C: its files and channel go now
+            big.unlink(wait=False)
+            raise
 
     def gpu_lines(self) -> list[str]:
         """``%taas``: this machine's GPUs, free, leased (by which job) or busy outside taas."""

@@ -103,3 +103,25 @@ def test_room_is_checked_for_the_processes_a_cell_starts_and_none_on_kept_ranks(
     finally:
         session.close()
     assert launcher.checked == [(2, 2)]  # fresh ranks: two start; kept ones run already
+
+
+def test_a_ctrl_c_before_the_run_takes_the_job_leaves_no_results_channel(monkeypatch):
+    """The job's results channel (a socket pair and its thread) is made with the job: a Ctrl-C
+    before the run took it over closes it (an interrupt fuzz leaked four descriptors a time)."""
+    import os
+    import threading
+
+    session = Session(OneShotLauncher(None))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # the user's Ctrl-C, as the run is about to begin
+
+    monkeypatch.setattr(session, "_run", interrupted)
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            session.run_cell("y = 1", {}, directive.parse_options("--gpus 2"), sink=Sink())
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert threading.active_count() == threads
+    finally:
+        session.close()
