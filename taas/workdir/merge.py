@@ -76,15 +76,18 @@ def clock_mark(directory: str) -> int | None:
     the file is removed at once.  None if ``directory`` is not writable."""
     import tempfile
 
-    try:
-        fd, name = tempfile.mkstemp(dir=directory, prefix=".taas-clock-")
-    except OSError:
-        return None
-    try:
-        return os.fstat(fd).st_ctime_ns
-    finally:
-        os.close(fd)
-        os.unlink(name)
+    from taas.shield import deferred_interrupt
+
+    with deferred_interrupt():  # made and removed as one step: a Ctrl-C never leaves it in the notebook's folder
+        try:
+            fd, name = tempfile.mkstemp(dir=directory, prefix=".taas-clock-")
+        except OSError:
+            return None
+        try:
+            return os.fstat(fd).st_ctime_ns
+        finally:
+            os.close(fd)
+            os.unlink(name)
 
 
 def merge_layers(target: str, layers: list[tuple[str, str]], since_ns: int,

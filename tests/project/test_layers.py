@@ -34,7 +34,7 @@ ROOMS: dict[str, set[str]] = {
     "taas.io": {"taas.errors"},
     "taas.job.memory": {"taas.errors"},
     "taas.job": {"taas.errors", "taas.job.memory"},
-    "taas.workdir": {"taas.errors", "taas.io"},
+    "taas.workdir": {"taas.errors", "taas.io", "taas.shield"},
     # GPU leases on one machine: lock files, the line, the decisions (the session joins them).
     "taas.leases": {"taas.errors"},
     # The launcher contract (api, rendezvous) and what a launched process may use.

@@ -199,3 +199,24 @@ def test_layers_merge_in_rank_order_and_notes_name_ranks_by_number(tree):
     assert report is not None and report.conflicts
     assert "rank2, rank10 and loader:data:0 wrote out.txt differently" in "".join(sink.lines), sink.lines
     assert layers.merge(given, "job1", sink) is None  # once per attempt
+
+
+def test_a_ctrl_c_as_the_clock_is_read_leaves_no_file_in_the_folder(tmp_path, monkeypatch):
+    """The clock file is made and removed as one step: an interrupt fuzz's Ctrl-Cs had left
+    36 of them in the notebook's folder."""
+    import os
+    import signal
+    import tempfile
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
+    made = tempfile.mkstemp
+
+    def interrupted(*args, **kwargs):
+        fd, name = made(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as the file is made
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        clock_mark(str(tmp_path))
+    assert os.listdir(tmp_path) == []
