@@ -30,6 +30,7 @@ from taas.job import results
 from taas.job.package import Payload, unship
 from taas.launch.process import cells, events, report, stacks
 from taas.rank import comm, console, heartbeat, metrics
+from taas.shield import deferred_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,17 @@ def run(job_dir: str, key: str, rank: int, payload: Payload, namespace: dict,
                 console.post_mortem(exc)  # IPython's %pdb on
             report.write_error(job_dir, key, exc, 1)
         failed = True
-    _close_views()  # their figures go out before "done"; the cell's loader workers end now
-    heartbeat.stop()  # an idle kept rank sends nothing until its next cell
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # What the rank's tensors hold on its GPU as it waits (%taas shows it between cells).
-    gpu = int(os.environ.get("LOCAL_RANK", "0")) if payload.device == "cuda" else None
-    done = ("done", {"failed": failed, "gpu_mem": heartbeat.gpu_memory(gpu)})
-    events.send_many(*([("comm", counted)] if counted is not None else []), done)
+    # The cell is over: an interrupt now (the kernel's, for a cell it saw running) is held until
+    # "done" went out, then dropped by serve(); raised here it would end the rank, and the state.
+    with deferred_interrupt():
+        _close_views()  # their figures go out before "done"; the cell's loader workers end now
+        heartbeat.stop()  # an idle kept rank sends nothing until its next cell
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # What the rank's tensors hold on its GPU as it waits (%taas shows it between cells).
+        gpu = int(os.environ.get("LOCAL_RANK", "0")) if payload.device == "cuda" else None
+        done = ("done", {"failed": failed, "gpu_mem": heartbeat.gpu_memory(gpu)})
+        events.send_many(*([("comm", counted)] if counted is not None else []), done)
 
 
 def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict,
@@ -108,7 +112,10 @@ def serve(job_dir: str, key: str, rank: int, inbox: cells.Inbox, namespace: dict
             events.send("done", failed=True)
             continue
         log.debug("rank %d: kept cell %s", rank, payload.filename)
-        run(job_dir, key, rank, payload, namespace, run_cell, message.result)
+        try:
+            run(job_dir, key, rank, payload, namespace, run_cell, message.result)
+        except KeyboardInterrupt:  # held until the cell said done (run): a late one, not ours
+            continue
 
 
 def _open_views(payload: Payload, namespace: dict) -> None:
