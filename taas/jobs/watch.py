@@ -66,8 +66,9 @@ class Changes:
         if self._fd < 0:
             time.sleep(min(timeout, self.fallback))
             return False
-        ready, _, _ = select.select([self._fd], [], [], timeout)
-        if not ready:
+        poller = select.poll()  # poll(2): select(2) refuses descriptors past 1023
+        poller.register(self._fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
             return False
         try:
             while os.read(self._fd, 65536):

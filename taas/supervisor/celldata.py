@@ -103,7 +103,10 @@ class Both(JobHandle):
             return out
         fds = [h.fileno() for h in (self.kept, self.loaders)]
         if None not in fds:
-            select.select(fds, [], [], timeout)
+            poller = select.poll()  # poll(2): select(2) refuses descriptors past 1023
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            poller.poll(timeout * 1000)
             return self._round()
         return list(self.kept.events(0)) + list(self.loaders.events(timeout))
 

@@ -104,7 +104,7 @@ class ShmSender(Sender):
                 self._collect()
                 if self._room(size):
                     return True
-                select.select([self.space_fd], [], [], 0.1)
+                _wait(self.space_fd, 0.1)
         finally:
             self.seg.set_channel(self.ch, C_WAITING, 0)
             if self.on_wait:
@@ -274,7 +274,7 @@ class ShmReceiver(Receiver):
             if self._closed:  # the view is done (a kept rank's cell ended): nothing more comes
                 raise EOFError(f"channel {self.ch} was closed")
             self._back(None)  # retry what the producer had no room for
-            select.select([self.data_fd], [], [], 0.5)
+            _wait(self.data_fd, 0.5)
 
     def take(self):
         kind, _, block_id, _ = self._cur or self._next()
@@ -380,3 +380,11 @@ class ShmReceiver(Receiver):
 
 def _itemsize(dtype) -> int:
     return dtype.itemsize
+
+
+def _wait(fd: int, timeout: float) -> None:
+    """Until ``fd`` can be read, at most ``timeout`` s.  poll(2): select(2) refuses descriptors
+    numbered past 1023, which a rank with many sockets open (a large job) has."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(timeout * 1000)

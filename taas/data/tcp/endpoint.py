@@ -110,10 +110,10 @@ class _Stream:
                     continue
                 except (BlockingIOError, InterruptedError):
                     pass
-                readable, writable, _ = select.select([self.sock], [self.sock], [], WAIT_S)
-                if readable:
+                events = wire.ready(self.sock, timeout=WAIT_S, write=True).get(self.sock.fileno(), 0)
+                if events & select.POLLIN:
                     self.poll()  # GONE frames: the relay must never wait for us to read
-                if not writable and on_wait is not None and not waiting:
+                if not events & select.POLLOUT and on_wait is not None and not waiting:
                     waiting = True
                     on_wait(True)
         finally:
@@ -132,7 +132,7 @@ class _Stream:
         except OSError:  # the relay has gone already
             pass
         while not self.dead:
-            select.select([self.sock], [], [], 1.0)
+            wire.ready(self.sock, timeout=1.0)
             self.poll()
 
     def close(self) -> None:

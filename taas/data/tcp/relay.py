@@ -30,7 +30,6 @@ are stuck behind the unit it waits to put.
 from __future__ import annotations
 
 import os
-import select
 import shutil
 import signal
 import socket
@@ -112,7 +111,7 @@ class Relay:
     # -- worker streams --------------------------------------------------------------------
     def _accept(self) -> None:
         while not self.stopping.is_set():
-            ready, _, _ = select.select([self.listener, self._wake_r], [], [])
+            ready = wire.ready(self.listener, self._wake_r)
             if self.stopping.is_set() or self._wake_r in ready:
                 return
             try:

@@ -54,7 +54,6 @@ removes everything of the job on the machine it runs on.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
@@ -199,7 +198,7 @@ class TcpTransport(Transport):
     # -- the hub ---------------------------------------------------------------------------
     def _accept(self) -> None:
         while True:
-            ready, _, _ = select.select([self.listener, self._wake_r], [], [])
+            ready = wire.ready(self.listener, self._wake_r)
             if self._wake_r in ready:
                 return
             try:

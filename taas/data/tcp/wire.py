@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import secrets
+import select
 import socket
 import struct
 
@@ -168,3 +169,16 @@ def recv_message(sock: socket.socket, *expected: type) -> messages.Message:
     except ValueError as exc:  # not UTF-8, not JSON
         raise messages.BadMessage(f"not JSON ({exc}): {data[:200]!r}") from None
     return messages.decode(decoded, *expected)
+
+
+def ready(sock: socket.socket | int, *more: socket.socket | int, timeout: float | None = None,
+          write: bool = False) -> dict[int, int]:
+    """Which of these descriptors can be read (or, ``write``: ``sock`` written), waiting up to
+    ``timeout`` s (None: until one can): descriptor -> poll(2) events.  poll(2), not select(2),
+    which refuses descriptors numbered past 1023 (a rank of a large job holds many sockets)."""
+    poller = select.poll()
+    files = [sock, *more]
+    for i, f in enumerate(files):
+        poller.register(f, select.POLLIN | (select.POLLOUT if write and i == 0 else 0))
+    wait = None if timeout is None else max(0, int(timeout * 1000))
+    return dict(poller.poll(wait))

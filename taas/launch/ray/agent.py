@@ -401,7 +401,7 @@ def _wait_readable(fd: int | None, timeout: float) -> None:
     if fd is None:
         time.sleep(min(timeout, 0.005))
         return
-    try:
-        select.select([fd], [], [], timeout)
-    except (OSError, ValueError):
-        time.sleep(0.001)
+    poller = select.poll()  # poll(2): select(2) refuses descriptors past 1023
+    poller.register(fd, select.POLLIN)
+    if any(events & select.POLLNVAL for _, events in poller.poll(timeout * 1000)):
+        time.sleep(0.001)  # closed meanwhile

@@ -233,3 +233,16 @@ def test_a_hub_without_the_secret_is_refused():
             endpoint.sender(0)
     finally:
         hub.close()
+
+
+def test_the_transports_waits_take_a_descriptor_past_1023():
+    """select(2) raised ValueError past descriptor 1023 (a rank of a large job holds many)."""
+    import os
+
+    from taas.data.tcp import wire
+    from tests.support.highfd import high_pipe
+
+    with high_pipe() as (read, write):
+        assert wire.ready(read, timeout=0.01) == {}
+        os.write(write, b"x")
+        assert read in wire.ready(read, timeout=60)
