@@ -1,5 +1,7 @@
 """Fixtures shared by the real-kernel tests and the simulated-cluster tests."""
 
+import signal
+
 import psutil
 import pytest
 
@@ -116,3 +118,13 @@ def ray_cluster():
     cluster = SimulatedCluster().start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def python_sigint():
+    """SIGINT raises KeyboardInterrupt in the main thread, as in a kernel, a job host or a rank,
+    whatever started the test run (a shell's background job ignores SIGINT, and Python keeps
+    that); restored after the test."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

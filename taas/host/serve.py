@@ -54,6 +54,9 @@ class Serving:
             self.kernel = os.pidfd_open(kernel_pid)
         except (OSError, AttributeError):  # no pidfd: the socket alone says the kernel went
             self.kernel = None
+        # Ours before the reader runs: the kernel's first cell and its Ctrl-C may be waiting on
+        # the socket already (sent while this host started), and Python's handler would end it.
+        signal.signal(signal.SIGINT, self._on_int)
         threading.Thread(target=self._reader, name="taas-host-reader", daemon=True).start()
 
     # -- the reader thread ---------------------------------------------------------------------

@@ -287,10 +287,7 @@ class InterruptedAsItGoes(KeptHandle):
         return list(keys)
 
 
-def test_a_ctrl_c_as_a_kept_cell_goes_out_interrupts_it_on_the_ranks_which_stay():
-    import signal
-
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
+def test_a_ctrl_c_as_a_kept_cell_goes_out_interrupts_it_on_the_ranks_which_stay(python_sigint):
     launcher = KeepingLauncher()
     launcher.start = lambda spec: launcher.handles.append(InterruptedAsItGoes(spec)) or launcher.handles[-1]
     session = Session(launcher)

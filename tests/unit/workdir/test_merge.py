@@ -201,14 +201,13 @@ def test_layers_merge_in_rank_order_and_notes_name_ranks_by_number(tree):
     assert layers.merge(given, "job1", sink) is None  # once per attempt
 
 
-def test_a_ctrl_c_as_the_clock_is_read_leaves_no_file_in_the_folder(tmp_path, monkeypatch):
+def test_a_ctrl_c_as_the_clock_is_read_leaves_no_file_in_the_folder(tmp_path, monkeypatch, python_sigint):
     """The clock file is made and removed as one step: an interrupt fuzz's Ctrl-Cs had left
     36 of them in the notebook's folder."""
     import os
     import signal
     import tempfile
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
     made = tempfile.mkstemp
 
     def interrupted(*args, **kwargs):

@@ -360,12 +360,11 @@ def test_a_kept_rank_whose_main_thread_ended_is_gone_though_its_fifo_is_still_op
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_an_interrupt_as_the_start_request_goes_out_leaves_no_process(launcher, tmp_path, monkeypatch):
+def test_an_interrupt_as_the_start_request_goes_out_leaves_no_process(launcher, tmp_path, monkeypatch, python_sigint):
     """A Ctrl-C while a job's start request goes out is held until the request went whole, then
     raised: the processes the start process makes of it anyway are stopped, not left running."""
     import signal
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
     pidfile = tmp_path / "rank0"
     send = LocalLauncher._send_spawn
 
@@ -389,14 +388,14 @@ def test_an_interrupt_as_the_start_request_goes_out_leaves_no_process(launcher, 
     assert exits == {"rank0": 0, "rank1": 0}
 
 
-def test_an_interrupt_while_the_start_process_starts_leaves_a_launcher_that_starts_jobs(tmp_path, monkeypatch):
+def test_an_interrupt_while_the_start_process_starts_leaves_a_launcher_that_starts_jobs(tmp_path, monkeypatch,
+                                                                                       python_sigint):
     """A Ctrl-C held while the start process is started is raised once the launcher can reach
     it: the next job starts (before, the launcher kept a process it had no socket to)."""
     import signal
 
     from taas.launch.local import launcher as module
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
     submit = module._spawner.submit
 
     def interrupted(*args, **kwargs):
@@ -418,12 +417,11 @@ def test_an_interrupt_while_the_start_process_starts_leaves_a_launcher_that_star
         local.shutdown()
 
 
-def test_an_interrupt_as_a_process_output_ends_leaves_a_job_that_closes(launcher, tmp_path):
+def test_an_interrupt_as_a_process_output_ends_leaves_a_job_that_closes(launcher, tmp_path, python_sigint):
     """A Ctrl-C that lands as the launcher stops reading a process's finished output (the
     restart loop's interrupt, as a failed rank exits): the job still closes, each pipe once."""
     import signal
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a kernel
     spec = LaunchSpec(job_id=f"t{time.monotonic_ns()}", cwd=str(tmp_path), processes=(
         ProcessSpec(key="rank0", entry="tests.support.launch_targets:echo"),))
     job = launcher.start(spec)
