@@ -363,9 +363,10 @@ class RemoteKept(Kept):
             if self.host.record:  # a detached job's host: it ends with them
                 self.host.close()
         finally:
-            if self.channel is not None:
-                self.channel.close()
-                self.channel = None
+            with deferred_interrupt():  # a Ctrl-C here would leak the channel's descriptors
+                channel, self.channel = self.channel, None
+                if channel is not None:
+                    channel.close()
 
 
 class RemoteKeptCell(RemoteSupervisor):

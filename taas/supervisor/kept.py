@@ -23,6 +23,7 @@ from taas.errors import LaunchError
 from taas.io import keys as names
 from taas.io.output import TerminalSink
 from taas.job.api import World
+from taas.shield import deferred_interrupt
 from taas.supervisor.supervisor import STOP_GRACE
 from taas.workdir import merge
 
@@ -104,10 +105,11 @@ class Kept:
             # The ranks' layers come back now (the timer and unload have no cell: stderr).
             self.layers.merge(handle.layers(), self.job_id, sink or TerminalSink())
         finally:
-            handle.close()
-            if self.channel is not None:
-                self.channel.close()
-                self.channel = None
+            with deferred_interrupt():  # a Ctrl-C here would leak the channel's descriptors
+                handle.close()
+                channel, self.channel = self.channel, None
+                if channel is not None:
+                    channel.close()
 
 
 # %taas debug RANK: the cell every kept rank runs (taas.rank.console.debug_last).

@@ -32,7 +32,7 @@ ROOMS: dict[str, set[str]] = {
     # Pure logic and formats both sides of a job agree on.
     "taas.directive": {"taas.errors"},
     "taas.io": {"taas.errors"},
-    "taas.job.memory": {"taas.errors"},
+    "taas.job.memory": {"taas.errors", "taas.shield"},
     "taas.job": {"taas.errors", "taas.job.memory"},
     "taas.workdir": {"taas.errors", "taas.io", "taas.shield"},
     # GPU leases on one machine: lock files, the line, the decisions (the session joins them).

@@ -1,3 +1,3 @@
 """Big notebook values in shared memory: resident tensors moved there and sent by descriptor,
 other big arrays and device storages' host copies written once (bigvalues, files, resident).
-May import taas.errors only."""
+May import taas.errors and taas.shield (an interrupt never cuts the results channel in half) only."""

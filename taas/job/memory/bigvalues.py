@@ -57,6 +57,7 @@ from taas.job.memory import resident
 from taas.job.memory import files as shmfiles
 from taas.job.memory.resident import ResidentMemory
 from taas.job.memory.channel import CHANNEL_ENV, ResultChannel
+from taas.shield import deferred_interrupt
 
 _UNNAMED_OK = shmfiles.UNNAMED_OK  # (the same dict: tests set a directory's entry here)
 
@@ -299,19 +300,21 @@ class BigValues:
     def open_results_channel(self) -> dict[str, str]:
         """The job's results channel (:mod:`taas.job.memory.channel`), after pickling: its rank
         end goes last in :attr:`fds`; returns the environment that tells rank 0 where it is."""
-        self.channel = ResultChannel()
-        self.fds.append(os.dup(self.channel.rank_end()))
+        with deferred_interrupt():  # made and held as one step: a Ctrl-C cannot orphan it
+            self.channel = ResultChannel()
+            self.fds.append(os.dup(self.channel.rank_end()))
         return {CHANNEL_ENV: str(len(self.fds) - 1)}
 
     def close_fds(self) -> None:
         """Close our duplicates of the resident files (once the launcher has passed them on)
-        and the results channel (what rank 0 sent and nobody took goes with it)."""
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            os.close(fd)
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        and the results channel (what rank 0 sent and nobody took goes with it), as one step."""
+        with deferred_interrupt():
+            fds, self.fds = self.fds, []
+            for fd in fds:
+                os.close(fd)
+            channel, self.channel = self.channel, None
+            if channel is not None:
+                channel.close()
 
 
 def _candidate_types() -> dict[type, str]:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from taas.job.memory import readback
+from taas.shield import deferred_interrupt
 
 CHANNEL_ENV = "TAAS_RESULT_CHANNEL"  # index, in TAAS_SHARED_FDS, of the results channel
 SHARED_FDS_ENV = "TAAS_SHARED_FDS"
@@ -146,20 +147,23 @@ class ResultChannel:
         return None
 
     def close(self) -> None:
-        """Both ends; what was read or queued goes with them (rank 0 waiting sees the end)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            os.write(self._wake_w, b"x")
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-        with self._lock:
-            self._drop()
-            self._kernel.close()
-            self._rank.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        """Both ends; what was read or queued goes with them (rank 0 waiting sees the end).
+        One step: a Ctrl-C half-way would leave the descriptors open and the channel marked
+        closed (an interrupt fuzz leaked four descriptors at a time so)."""
+        with deferred_interrupt():
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                os.write(self._wake_w, b"x")
+            if self._thread is not threading.current_thread():
+                self._thread.join()
+            with self._lock:
+                self._drop()
+                self._kernel.close()
+                self._rank.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     # -- the serving thread ------------------------------------------------------------------
     def _serve(self) -> None:

@@ -470,3 +470,24 @@ def test_for_a_cluster_no_named_file_is_written_and_values_arrive_inline(tmp_pat
         assert os.listdir(tmp_path) == [] and shipment.notes == [] and shipment.written == 0
     finally:
         shipment.unlink()
+
+
+def test_a_ctrl_c_as_the_results_channel_opens_leaves_it_to_close_fds(monkeypatch, python_sigint):
+    """The channel is made and held as one step: an interrupt between the two orphaned it, its
+    thread and four descriptors living as long as the kernel."""
+    import signal
+
+    made = bigvalues.ResultChannel
+
+    def interrupted():
+        channel = made()
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as the channel is made
+        return channel
+
+    monkeypatch.setattr(bigvalues, "ResultChannel", interrupted)
+    before = set(os.listdir("/proc/self/fd"))
+    big = BigValues("job-interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        big.open_results_channel()
+    big.close_fds()
+    assert set(os.listdir("/proc/self/fd")) == before

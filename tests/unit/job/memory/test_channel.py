@@ -113,3 +113,29 @@ def test_the_kernel_answers_a_request_it_cannot_make_whole_with_failed_not_a_ref
     finally:
         rank.close()
         ch.close()
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_ctrl_c_as_the_channel_closes_still_closes_all_four_descriptors(python_sigint):
+    """Closing is one step: an interrupt fuzz's Ctrl-Cs, landing as the serving thread was
+    joined, left the channel marked closed with its socketpair and pipe open (four descriptors
+    per cell; closing again did nothing)."""
+    import signal
+
+    before = _open_fds()
+    ch = wire.ResultChannel()
+    join = ch._thread.join
+
+    def interrupted(*args):
+        signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, as the thread is joined
+        join(*args)
+
+    ch._thread.join = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ch.close()
+    ch.close()  # what a later clean-up would do
+    assert _open_fds() == before
+    assert not ch._thread.is_alive()
