@@ -56,13 +56,16 @@ def analyse(source: str) -> CellAnalysis:
     return CellAnalysis(frozenset(walker.free), tuple(order), has_last)
 
 
+@functools.lru_cache(maxsize=64)
 def compile_cell(
     source: str, filename: str, first_line: int = 1
 ) -> tuple[types.CodeType, types.CodeType | None]:
     """Compile a cell so tracebacks show ``filename`` at the notebook's line numbers.
 
     Returns (body code for ``exec``, last expression code for ``eval`` or None): as in IPython,
-    the value of a trailing expression statement is the cell's result.
+    the value of a trailing expression statement is the cell's result.  Remembered per cell (code
+    objects are immutable): kept ranks run a notebook's cells again and again, and compiling
+    cost each of them a few tenths of a millisecond of every cell.
     """
     # Padding (rather than ast.increment_lineno) puts SyntaxErrors at the right line too.
     tree = ast.parse("\n" * (first_line - 1) + source, filename)

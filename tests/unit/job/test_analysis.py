@@ -185,3 +185,21 @@ def test_compile_cell_body_runs_without_last_expression():
 def test_compile_cell_syntax_error_propagates():
     with pytest.raises(SyntaxError):
         compile_cell("x = = 1", "<cell>", 1)
+
+
+def test_a_cell_run_again_is_compiled_once_per_place():
+    """Kept ranks run a notebook's cells again and again: the same cell at the same place is
+    the same code (compiled once); another file name or first line is compiled anew."""
+    source = "x = 1\nx + 1\n"
+    first = compile_cell(source, "<cell-a>", 3)
+    assert compile_cell(source, "<cell-a>", 3) is first
+    other_file, other_line = compile_cell(source, "<cell-b>", 3), compile_cell(source, "<cell-a>", 4)
+    def top(code):  # the first line the code runs
+        return min(line for _, _, line in code.co_lines() if line)
+
+    assert other_file[0].co_filename == "<cell-b>" and top(other_line[0]) == 4
+    assert top(first[0]) == 3 and first[0] is not other_line[0]
+    with pytest.raises(SyntaxError):  # an error is never remembered as a result
+        compile_cell("x = (\n", "<cell-a>", 1)
+    with pytest.raises(SyntaxError):
+        compile_cell("x = (\n", "<cell-a>", 1)
