@@ -28,6 +28,6 @@ May import: taas.session (the host runs a Session), taas.cellrun (the cell read 
 cell's is), taas.jobs, taas.job, taas.io, taas.data, taas.directive, taas.workdir, taas.errors,
 taas.supervisor (kept ranks' value fingerprints, so that an adopting kernel sends only what
 their host lacks; the Supervisor, which the kernel's own host runs), taas.wiring (the launcher
-the kernel's own host runs jobs on), and taas.shield (its answers sent whole, never cut by an
-interrupt).
+the kernel's own host runs jobs on), taas.shield (its answers sent whole, never cut by an
+interrupt) and taas.ready (poll(2)).
 """

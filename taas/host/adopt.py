@@ -22,6 +22,7 @@ from taas.host.api import CellFailed, Ended, Hello, Refused, Returned, Welcome
 from taas.host.cells import failure_raised
 from taas.host.remote import HostLink, RemoteKept
 from taas.jobs.store import JobError, Store
+from taas.ready import readable
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Door(HostLink):
         or None when they wait for this kernel's next cell."""
         if self.ended is None and self.sock is not None:
             try:
-                ready = channel.readable([self.sock], 0)
+                ready = readable([self.sock], 0)
                 if ready:
                     with channel.noting([]):  # read whole
                         message, _ = channel.recv(self.sock)

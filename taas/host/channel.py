@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import secrets
-import select
 import signal
 import socket
 import struct
@@ -66,18 +65,6 @@ def decode(header: bytes):
         return kind(**fields)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"not a taas message: {type(exc).__name__}") from None
-
-
-def readable(files, timeout: float | None = None) -> list:
-    """Those of ``files`` (sockets or fds) that can be read now, waiting up to ``timeout``
-    seconds (None: until one can).  poll(2), not select(2): a descriptor numbered 1024 or more
-    (a kernel with many files open, its limit raised) is waited on like any other."""
-    poller = select.poll()
-    for f in files:
-        poller.register(f, select.POLLIN)
-    by_fd = {f if isinstance(f, int) else f.fileno(): f for f in files}
-    wait = None if timeout is None else max(0, int(timeout * 1000))
-    return [by_fd[fd] for fd, _ in poller.poll(wait) if fd in by_fd]
 
 
 def _exactly(sock: socket.socket, size: int) -> bytes:

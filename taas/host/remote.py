@@ -46,6 +46,7 @@ from taas.job import crossing
 from taas.job.api import World
 from taas.shield import deferred_interrupt
 from taas.supervisor.kept import Kept
+from taas.ready import readable
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class RemoteSupervisor:
             self._interrupt()
         while True:
             try:
-                channel.readable([sock])  # nothing read yet: an interrupt may land here
+                readable([sock])  # nothing read yet: an interrupt may land here
             except KeyboardInterrupt:
                 self._interrupt()
                 continue

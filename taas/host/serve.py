@@ -35,6 +35,7 @@ from taas.host import channel
 from taas.host.api import Answer, Interrupt, KeptAnswer, KeptCall, RunJob
 from taas.host.wire import AskingSink, Run, answer, kept_call
 from taas.shield import deferred_interrupt
+from taas.ready import readable
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Serving:
         watched = [self.sock] + ([self.kernel] if self.kernel is not None else [])
         while True:
             try:
-                ready = channel.readable(watched)
+                ready = readable(watched)
                 if self.kernel in ready:
                     raise EOFError("the kernel ended")
                 message, body = channel.recv(self.sock)

@@ -21,9 +21,9 @@ import sys
 import threading
 import time
 
-from taas.host import channel
 from taas.host.api import FDS_AT_ONCE, Fork, Running, Take, decode, encode
 from taas.jobs.store import JobError, Store
+from taas.ready import readable
 
 # After a detached job starts, its first moments are its own: the next spare is forked this
 # much later (a detached cell before then forks one at once, so waiting hides no cost).
@@ -119,7 +119,7 @@ def _hosts_folder(store: Store) -> pathlib.Path:
 def _peer_gone(sock: socket.socket) -> bool:
     """Whether the other end of ``sock`` closed (it exited), without taking a message."""
     try:
-        ready = channel.readable([sock], 0)
+        ready = readable([sock], 0)
         if not ready:
             return False
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
@@ -206,7 +206,7 @@ class _Spare:
 
     def wait(self, timeout: float) -> Running | None:
         """The host's next word within ``timeout`` s; ``Running(ended=True)`` if it is gone."""
-        ready = channel.readable([self.sock], timeout)
+        ready = readable([self.sock], timeout)
         if not ready:
             return None
         try:

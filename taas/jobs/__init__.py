@@ -15,5 +15,5 @@ kernel; everything a later notebook or a terminal needs to see the job is in its
 A viewer waits for the folder's next change (watch.py, inotify) rather than looking at a period.
 
 Pure file operations: no processes are started here, nothing imports IPython or torch.
-May import: taas.errors, taas.io (how sizes are written).
+May import: taas.errors, taas.io (how sizes are written), taas.ready (poll(2)).
 """

@@ -15,10 +15,10 @@ import ctypes
 import ctypes.util
 import os
 import pathlib
-import select
 import time
 
 from taas.jobs import api
+from taas.ready import wait_readable
 
 _IN_MODIFY, _IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x2, 0x8, 0x80, 0x100
 _IN_DELETE_SELF, _IN_ONLYDIR = 0x400, 0x01000000
@@ -66,9 +66,7 @@ class Changes:
         if self._fd < 0:
             time.sleep(min(timeout, self.fallback))
             return False
-        poller = select.poll()  # poll(2): select(2) refuses descriptors past 1023
-        poller.register(self._fd, select.POLLIN)
-        if not poller.poll(timeout * 1000):
+        if not wait_readable(self._fd, timeout):
             return False
         try:
             while os.read(self._fd, 65536):

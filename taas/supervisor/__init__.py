@@ -8,7 +8,7 @@
     diagnosis.py  where the ranks are (stack requests) and why a job failed (their reports)
     prompts.py    the ranks' questions (input(), pdb) asked in the notebook's input box, in turn
 
-May import: taas.errors, taas.shield, taas.io, taas.job, taas.workdir, taas.launch (the
+May import: taas.errors, taas.shield, taas.ready, taas.io, taas.job, taas.workdir, taas.launch (the
 launcher contract, never a launcher), taas.launch.process (the stdin wire's answer type) and
 taas.data (the data plane the session built).  Only
 the session imports this room.

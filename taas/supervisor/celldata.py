@@ -16,7 +16,6 @@ local one does (:mod:`taas.launch.local.mailboxes`).
 
 from __future__ import annotations
 
-import select
 
 from taas.io import keys as names
 from taas.job.api import Job
@@ -24,6 +23,7 @@ from taas.launch.api import JobHandle, LaunchSpec, ProcessSpec
 from taas.shield import deferred_interrupt
 from taas.supervisor.supervisor import STOP_GRACE
 from taas.workdir import merge
+from taas.ready import readable
 
 LOADER_JOB = "{job}-data"  # the loader job's id (the kept ranks' job may carry the cell's id)
 
@@ -103,10 +103,7 @@ class Both(JobHandle):
             return out
         fds = [h.fileno() for h in (self.kept, self.loaders)]
         if None not in fds:
-            poller = select.poll()  # poll(2): select(2) refuses descriptors past 1023
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            poller.poll(timeout * 1000)
+            readable(fds, timeout)
             return self._round()
         return list(self.kept.events(0)) + list(self.loaders.events(timeout))
 

@@ -29,10 +29,11 @@ PACKAGE = ROOT / "taas"
 ROOMS: dict[str, set[str]] = {
     "taas.errors": set(),
     "taas.shield": set(),
+    "taas.ready": set(),  # poll(2) for every room that waits on a descriptor
     # Pure logic and formats both sides of a job agree on.
     "taas.directive": {"taas.errors"},
     "taas.io": {"taas.errors"},
-    "taas.job.memory": {"taas.errors", "taas.shield"},
+    "taas.job.memory": {"taas.errors", "taas.shield", "taas.ready"},
     "taas.job": {"taas.errors", "taas.job.memory"},
     "taas.workdir": {"taas.errors", "taas.io", "taas.shield"},
     # GPU leases on one machine: lock files, the line, the decisions (the session joins them).
@@ -43,19 +44,19 @@ ROOMS: dict[str, set[str]] = {
     # The launchers: never the data plane or the rank runtime (the session joins them).
     "taas.launch.local": {"taas.errors", "taas.shield", "taas.launch", "taas.launch.process",
                           "taas.workdir"},
-    "taas.launch.ray": {"taas.errors", "taas.shield", "taas.io", "taas.launch", "taas.launch.process",
-                        "taas.launch.local", "taas.workdir"},
+    "taas.launch.ray": {"taas.errors", "taas.shield", "taas.ready", "taas.io", "taas.launch",
+                        "taas.launch.process", "taas.launch.local", "taas.workdir"},
     # The data plane: its contract and core, then the two transports.
     "taas.data": {"taas.errors", "taas.io", "taas.job", "taas.launch", "taas.launch.process"},
-    "taas.data.shm": {"taas.errors", "taas.data"},
-    "taas.data.tcp": {"taas.errors", "taas.io", "taas.data", "taas.data.shm", "taas.launch",
+    "taas.data.shm": {"taas.errors", "taas.ready", "taas.data"},
+    "taas.data.tcp": {"taas.errors", "taas.ready", "taas.io", "taas.data", "taas.data.shm", "taas.launch",
                       "taas.launch.process"},
     # The rank runtime sits above the data plane and the process side of the launcher.
     "taas.rank": {"taas.errors", "taas.shield", "taas.job", "taas.data", "taas.launch",
                   "taas.launch.process"},
     # One kernel's job runner (no IPython): the supervisor, and the session (composition root:
     # it picks the launcher and the transport).
-    "taas.supervisor": {"taas.errors", "taas.shield", "taas.io", "taas.job", "taas.workdir",
+    "taas.supervisor": {"taas.errors", "taas.shield", "taas.ready", "taas.io", "taas.job", "taas.workdir",
                         "taas.launch", "taas.launch.process", "taas.data"},
     # The composition root's plain choices: the default launcher, the transport, processes' env.
     "taas.wiring": {"taas.errors", "taas.launch", "taas.launch.local", "taas.data", "taas.data.shm",
@@ -72,9 +73,10 @@ ROOMS: dict[str, set[str]] = {
                      "taas.rank", "taas.supervisor", "taas.leases"},
     # Jobs that outlive the kernel: their records on disk (pure file operations), the job host
     # that runs one with a Session of its own (and the viewer's side of it), the terminal face.
-    "taas.jobs": {"taas.errors", "taas.io"},
+    "taas.jobs": {"taas.errors", "taas.ready", "taas.io"},
     "taas.host": {"taas.errors", "taas.cellrun", "taas.session", "taas.jobs", "taas.job", "taas.io", "taas.data",
-                  "taas.directive", "taas.workdir", "taas.supervisor", "taas.wiring", "taas.shield"},
+                  "taas.directive", "taas.workdir", "taas.supervisor", "taas.wiring", "taas.shield",
+                  "taas.ready"},
     # A detached job on a Ray cluster: its host a detached actor, its records in the cluster's KV.
     "taas.host.ray": {"taas.errors", "taas.shield", "taas.host", "taas.jobs", "taas.session", "taas.launch.ray"},
     "taas.cli": {"taas.errors", "taas.host", "taas.host.ray", "taas.jobs", "taas.leases"},

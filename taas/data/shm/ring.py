@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import select
 import struct
 import threading
 import weakref
@@ -40,6 +39,7 @@ from taas.data.shm.segment import (
     Segment, _alive, _open_fifo, _read_all, _shm_attach, _shm_create, block_name, unlink,
 )
 from taas.data.transport import DATA, PASS_END, Header, Receiver, Sender, align, decode, encode
+from taas import ready
 
 log = logging.getLogger("taas")
 
@@ -383,8 +383,6 @@ def _itemsize(dtype) -> int:
 
 
 def _wait(fd: int, timeout: float) -> None:
-    """Until ``fd`` can be read, at most ``timeout`` s.  poll(2): select(2) refuses descriptors
-    numbered past 1023, which a rank with many sockets open (a large job) has."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    poller.poll(timeout * 1000)
+    """Until ``fd`` can be read, at most ``timeout`` s (taas.ready: poll(2), as a rank of a
+    large job holds descriptors numbered past 1023)."""
+    ready.wait_readable(fd, timeout)

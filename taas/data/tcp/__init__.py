@@ -8,7 +8,7 @@ shared-memory rings (the contract: :mod:`taas.data.transport`).
     messages.py    the hub's typed JSON messages
     nodes.py       which node a rank is on; a node's segment and FIFO names, their removal
 
-May import: ``taas.errors``, ``taas.io``, the data plane's core (``taas.data``), the
+May import: ``taas.errors``, ``taas.ready`` (poll(2)), ``taas.io``, the data plane's core (``taas.data``), the
 shared-memory transport (``taas.data.shm``) and ``taas.launch`` / ``taas.launch.process``
 (ProcessSpec for the relays, error reports); never a launcher or the rank runtime.
 """

@@ -23,11 +23,11 @@ import hmac
 import json
 import logging
 import secrets
-import select
 import socket
 import struct
 
 from taas.data.tcp import messages
+from taas.ready import IN, OUT, poll
 
 log = logging.getLogger("taas.data.tcp")
 
@@ -174,11 +174,5 @@ def recv_message(sock: socket.socket, *expected: type) -> messages.Message:
 def ready(sock: socket.socket | int, *more: socket.socket | int, timeout: float | None = None,
           write: bool = False) -> dict[int, int]:
     """Which of these descriptors can be read (or, ``write``: ``sock`` written), waiting up to
-    ``timeout`` s (None: until one can): descriptor -> poll(2) events.  poll(2), not select(2),
-    which refuses descriptors numbered past 1023 (a rank of a large job holds many sockets)."""
-    poller = select.poll()
-    files = [sock, *more]
-    for i, f in enumerate(files):
-        poller.register(f, select.POLLIN | (select.POLLOUT if write and i == 0 else 0))
-    wait = None if timeout is None else max(0, int(timeout * 1000))
-    return dict(poller.poll(wait))
+    ``timeout`` s (None: until one can): descriptor -> poll(2) events (taas.ready)."""
+    return poll([(sock, IN | (OUT if write else 0))] + [(f, IN) for f in more], timeout)

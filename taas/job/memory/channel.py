@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import struct
 import threading
@@ -29,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from taas.job.memory import readback
+from taas.ready import readable, wait_readable
 from taas.shield import deferred_interrupt
 
 CHANNEL_ENV = "TAAS_RESULT_CHANNEL"  # index, in TAAS_SHARED_FDS, of the results channel
@@ -167,11 +167,8 @@ class ResultChannel:
 
     # -- the serving thread ------------------------------------------------------------------
     def _serve(self) -> None:
-        poller = select.poll()  # not select(): a kernel may hold more than 1024 fds
-        poller.register(self._kernel, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
         while True:
-            poller.poll()
+            readable([self._kernel, self._wake_r])  # poll(2): a kernel may hold fds past 1023
             with self._lock:
                 if self._closed:
                     return
@@ -277,10 +274,8 @@ def ask_to_read(channel: int, token: bytes, regions: list[tuple[int, int]]) -> b
         for first in range(0, len(regions), MAX_REGIONS_PER_MESSAGE):
             part = tuple(regions[first:first + MAX_REGIONS_PER_MESSAGE])
             sock.sendmsg([Regions(token, first, len(regions), part).pack()], [], socket.MSG_NOSIGNAL)
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
         while True:
-            poller.poll()
+            wait_readable(sock, None)
             try:
                 data = sock.recv(64, socket.MSG_DONTWAIT)
             except BlockingIOError:

@@ -7,7 +7,7 @@ placement group), ``job`` (:class:`RayJob`, one attempt's handle over its nodes'
 on each node: a warm local launcher), ``node_watch`` (what an ended agent leaves behind),
 ``placement`` (pure: which node runs what).
 
-May import: ``taas.errors``, ``taas.shield``, ``taas.io``, the launcher contract
+May import: ``taas.errors``, ``taas.shield``, ``taas.ready``, ``taas.io``, the launcher contract
 (``taas.launch``), ``taas.launch.process``, the local launcher (``taas.launch.local``: its
 ``launcher`` and ``jobdir`` only) and ``taas.workdir``; never the data plane or the rank
 runtime (the session joins them).  Ray itself is imported only where a cluster is used.

@@ -41,7 +41,6 @@ import dataclasses
 import glob
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from taas.launch.local import jobdir
 from taas.launch.local.launcher import LocalLauncher
 from taas.launch.ray import node_watch
 from taas.workdir import sync as workdir_sync
+from taas.ready import CLOSED, wait_readable
 
 _SLICE = 0.05  # at most this long between two reads of a job's pipes in a long poll
 WATCH_EVERY = 0.5  # seconds between two looks at whether the kernel is still there
@@ -401,7 +401,5 @@ def _wait_readable(fd: int | None, timeout: float) -> None:
     if fd is None:
         time.sleep(min(timeout, 0.005))
         return
-    poller = select.poll()  # poll(2): select(2) refuses descriptors past 1023
-    poller.register(fd, select.POLLIN)
-    if any(events & select.POLLNVAL for _, events in poller.poll(timeout * 1000)):
+    if wait_readable(fd, timeout) & CLOSED:
         time.sleep(0.001)  # closed meanwhile
