@@ -6,6 +6,6 @@
     segment.py     a loader's header segment (control words), the segment names and their
                    removal by whole name (never another attempt's), FIFOs
 
-May import: ``taas.errors``, ``taas.ready`` (poll(2)) and the data plane's core (``taas.data``); nothing of the launchers
-or of the TCP transport, which builds on this one.
+May import: ``taas.errors``, ``taas.ready`` (poll(2)) and the data plane's core
+(``taas.data``); nothing of the launchers or of the TCP transport, which builds on this one.
 """
