@@ -85,7 +85,7 @@ def start(store: Store, work: Prepared, *, ranks: int, where: str, notebook: str
                        source_hash=source_hash(hashed or text), cwd=cwd)
     folder = store.create(record)
     write_file(folder / records.PREPARED, data)
-    host = hosts.take(store)
+    host = hosts.take(store, ranks)
     lock = hold_lock(folder)  # held for the host from now on: the record never reads lost meanwhile
     try:
         host.give(folder, lock, fds)

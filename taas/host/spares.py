@@ -42,8 +42,9 @@ class Hosts:
         self._lock = threading.Lock()
         self._closed = False
 
-    def take(self, store: Store) -> _Spare:
-        """A host to give a job to: the spare, else one forked by the zygote, else a fresh one."""
+    def take(self, store: Store, ranks: int | None = None) -> _Spare:
+        """A host to give a job to: the spare, else one forked by the zygote, else a fresh one
+        (told the job's ``ranks``: its start process forks that many ahead as the job comes)."""
         with self._lock:
             spare, self._spare = self._spare, None
             zygote = self._zygote
@@ -51,7 +52,7 @@ class Hosts:
             return spare
         if spare is not None:
             spare.close()
-        return self._new(store, zygote)
+        return self._new(store, zygote, ranks)
 
     def prewarm(self, store: Store, ranks: int | None = None, later: bool = False) -> None:
         """Have the next spare ready (the next detached cell of a Run All finds it warm), and the

@@ -76,3 +76,39 @@ def test_detached_jobs_back_to_back_run_on_hosts_forked_by_the_zygote(tmp_path, 
     hosts2.close()
     assert second.process.wait(timeout=60) == 0  # the zygote ends when its socket closes...
     assert not second.log.exists()  # ...and its log, empty, goes with it
+
+
+def test_a_host_forked_for_a_job_forks_as_many_ranks_ahead_as_the_job_has(tmp_path, monkeypatch):
+    """No spare ready (a detached cell right after another): the host forked for the job is told
+    its size, so its start process forks that many children ahead while the job is handed over,
+    not the machine's default (one per core, up to 8) and the rest on demand."""
+    from tests.support.processes import wait_for
+
+    monkeypatch.setenv("TAAS_HOME", str(tmp_path / "home"))
+    store = Store()
+    hosts = Hosts()
+    hosts.prewarm(store)
+    ranks = min(os.cpu_count() or 1, 8) + 2  # more than the default, so only the hint explains it
+    try:
+        made_ahead = hosts.take(store)  # the spare made ahead taken: none left
+        # forked once the zygote is up (it imports torch first): the only host so far
+        before = wait_for(lambda: _host_pids(hosts), what="the spare made ahead")
+        made_ahead.close()
+        host = hosts.take(store, ranks)
+        pid = wait_for(lambda: min(_host_pids(hosts) - before, default=None), what="the forked host")
+
+        def forked_ahead() -> bool:
+            tree = psutil.Process(pid).children(recursive=True)
+            return any(len(p.children()) == ranks for p in tree)
+
+        wait_for(forked_ahead, what=f"{ranks} children forked ahead")
+        host.close()
+        psutil.Process(pid).wait(timeout=60)  # an idle host ends when its socket closes
+    finally:
+        hosts.close()
+
+
+def _host_pids(hosts: Hosts) -> set[int]:
+    """The hosts the zygote forked that run (its children are hosts)."""
+    zygote = hosts._zygote
+    return {c.pid for c in psutil.Process(zygote.process.pid).children()} if zygote is not None else set()
