@@ -16,9 +16,10 @@ starts it, views it, interrupts it, takes its results (:mod:`taas.host.remote`).
                             <── JobDone(states, outcome, the loaders' figures, kept) [+ CellFailed]
 
 The host ends when the kernel does: its end of the socket closes, or the kernel's pid ends
-(a pidfd; a fork of the kernel may hold the socket).  It exits at once; its launcher's guard
-ends the start process and every rank, as it does for a kernel that dies (the guard watches
-this host's pid).
+(a pidfd; a fork of the kernel may hold the socket), watched from the host's first instant
+(:func:`end_with`: it imports torch for a few seconds before it serves).  It exits at once; its
+launcher's guard ends the start process and every rank, as it does for a kernel that dies (the
+guard watches this host's pid).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from taas.host import channel
 from taas.host.api import Answer, Interrupt, KeptAnswer, KeptCall, RunJob
 from taas.host.wire import AskingSink, Run, answer, kept_call
 from taas.shield import deferred_interrupt
-from taas.ready import readable
+from taas.ready import readable, wait_readable
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +174,30 @@ def main(argv: list[str]) -> None:
     from taas.wiring import launcher_from_env
 
     sock = socket.socket(fileno=int(argv[0]))
+    end_with(int(argv[1]))
     launcher = launcher_from_env()
     launcher.warm()  # the start process imports torch while the kernel waits for its first cell
     preload()
     Serving(sock, int(argv[1]), launcher).serve()
+
+
+def end_with(kernel_pid: int) -> None:
+    """From now on, the kernel's end ends this host at once, whatever it is doing: starting its
+    start process and importing torch take seconds before :class:`Serving`'s reader watches,
+    and a kernel killed meanwhile must leave nothing within seconds (a loaded machine took
+    longer than 5 s to get there)."""
+    try:
+        kernel = os.pidfd_open(kernel_pid)
+    except ProcessLookupError:
+        os._exit(0)  # gone already
+    except (OSError, AttributeError):  # no pidfd here: the reader's socket says it, once serving
+        return
+
+    def watch() -> None:
+        wait_readable(kernel, None)
+        os._exit(0)  # the launcher's guard ends the start process and the ranks
+
+    threading.Thread(target=watch, name="taas-host-kernel", daemon=True).start()
 
 
 def preload() -> None:
