@@ -6,7 +6,7 @@ A Session with the kernel's real job host runs 2-rank cells one after another --
 ones whose rank 1 fails twice under ``--max-restarts 3``, and cells on kept ranks -- while a
 thread sends this process SIGINT (what a kernel interrupt is) after a random delay from 0 to
 1 s.  Every cell must end as it ran, interrupted, or with its own error; the job host must live
-through it all; and this process's open descriptors must stop growing once the kept ranks hold
+through it all; and this process's open descriptors must stop growing once kept ranks have held
 theirs.  Printed: each cell that ends otherwise, each new peak of descriptors with what they
 are, and the counts of outcomes; the exit status is 1 if anything went wrong.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import os
 import random
 import signal
@@ -41,7 +42,7 @@ CELLS = {
 }
 OWN_ERROR = "JobFailed: rank1 failed: RuntimeError: again"  # a restarts cell that ran out of time
 DELAYS = [0, 0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0]  # scaled by random(): many land early
-SETTLED_AFTER = 20  # cells: by then the kept ranks (and their channel) exist
+SETTLED_AFTER = 20  # cells, and kept ranks seen once (their results channel holds four fds)
 
 
 def descriptors() -> dict[str, str]:
@@ -58,6 +59,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stuck", type=float, default=60.0,
+                        help="a cell still running after this many seconds: every thread's stack printed")
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     main_thread = threading.main_thread().ident
@@ -68,7 +71,7 @@ def main() -> int:
     host_pid = session.job_host.proc.pid
     outcomes: collections.Counter = collections.Counter()
     failed = False
-    peak, settled, before = 0, None, descriptors()
+    peak, settled, before, kept_seen = 0, None, descriptors(), False
     deadline = time.monotonic() + args.seconds
     cell = 0
     try:
@@ -83,6 +86,7 @@ def main() -> int:
                 signal.pthread_kill(main_thread, signal.SIGINT)
 
             started = time.monotonic()
+            faulthandler.dump_traceback_later(args.stuck)  # a cell that hangs says where
             try:
                 threading.Thread(target=fire, args=(delay,), daemon=True).start()
                 session.run_cell(source, {}, directive.parse_options(options), sink=Recorder())
@@ -91,11 +95,17 @@ def main() -> int:
                 outcome = "interrupted"
             except Exception as exc:
                 outcome = f"{type(exc).__name__}: {str(exc)[:120]}"
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             try:  # the SIGINT may come after the cell ended: it must not end this loop
                 time.sleep(max(0.0, delay - (time.monotonic() - started)) + 0.01)
             except KeyboardInterrupt:
                 pass
             outcomes[(kind, outcome)] += 1
+            if time.monotonic() - started > args.stuck:
+                failed = True
+                print(f"#{cell} {kind} interrupted after {delay:.4f} s took {time.monotonic() - started:.0f} s",
+                      flush=True)
             if outcome not in ("ran", "interrupted", OWN_ERROR):
                 failed = True
                 print(f"#{cell} {kind} interrupted after {delay:.4f} s -> {outcome}", flush=True)
@@ -111,7 +121,8 @@ def main() -> int:
                 if settled is not None:
                     failed = True  # grown after the kept ranks settled: a leak
             before = now
-            if cell == SETTLED_AFTER:
+            kept_seen = kept_seen or session.kept is not None
+            if settled is None and cell >= SETTLED_AFTER and kept_seen:
                 settled = peak
     finally:
         for (kind, outcome), count in sorted(outcomes.items()):
