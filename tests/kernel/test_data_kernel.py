@@ -221,23 +221,28 @@ def test_a_failing_loader_stops_the_job_naming_loader_and_worker(kernel, clean, 
     assert took < 120  # stopped at the failure, not left to a collective timeout
 
 
+HANG_TIMEOUT = 15  # s
+
+
 @pytest.mark.parametrize("fail, expected", [
     (13, "loading unit 6 while rank0 waited"),  # after the ranks started
     (1, "loading unit 0, before the ranks could start"),  # in the first slice
 ])
 def test_a_hanging_loader_is_named_at_the_timeout(kernel, clean, fail, expected):
+    # The timeout must leave the ranks time to start and reach the loader: 4 s was too short on
+    # a loaded 2-core machine (the ranks still in their rendezvous, so no loader to name).
     kernel.run(f"stuck = DataLoader(Own(40, fail={fail}, how='hang'), batch_size=2)\ntaas.register(stuck)")
     started = time.monotonic()
-    run = kernel.run("%%taas --gpus 2 --cpus 2 --timeout 4\nfor b in stuck:\n    pass")
+    run = kernel.run(f"%%taas --gpus 2 --cpus 2 --timeout {HANG_TIMEOUT}\nfor b in stuck:\n    pass")
     took = time.monotonic() - started
     kernel.run("taas.unregister(stuck)")
     assert run.status == "error"
     tb = plain(run.traceback)
     first = tb.splitlines()[0]
-    assert "--timeout 4s" in first and "loader `stuck` worker 0 (loader:stuck:0)" in first, tb
+    assert f"--timeout {HANG_TIMEOUT}s" in first and "loader `stuck` worker 0 (loader:stuck:0)" in first, tb
     assert expected in first, first
     assert "time.sleep(600)" in tb  # where it hung
-    assert took < 4 + 120  # stopped at the timeout, not left hanging
+    assert took < HANG_TIMEOUT + 120  # stopped at the timeout, not left hanging
 
 
 def test_malformed_data_events_from_a_rank_are_ignored(kernel, clean):
