@@ -489,8 +489,9 @@ def test_a_cell_past_its_timeout_fails_with_where_the_kernel_was_and_the_kernel_
     """A hang in CI shows where it hung: the harness's timeout carries the kernel's stacks."""
     k = Kernel(str(workdir), load_taas=False)
     try:
+        k.run("pass")  # up and running cells: the timeout below is all the cell's (3 s were not, loaded)
         with pytest.raises(TimeoutError) as hung:
-            k.run("import time\ndef waiting_in_the_cell():\n    time.sleep(600)\nwaiting_in_the_cell()", timeout=3)
+            k.run("import time\ndef waiting_in_the_cell():\n    time.sleep(600)\nwaiting_in_the_cell()", timeout=10)
         assert "waiting_in_the_cell" in str(hung.value), str(hung.value)
         assert k.run("print('after')").stdout == "after\n"  # interrupted: the next cell runs
         # pytest-timeout's limit striking while the harness waits (as its SIGALRM would): the
