@@ -156,6 +156,12 @@ class Kernel:
             wait_for(lambda: os.path.getsize(self._stacks) > size, timeout=timeout, what="the kernel's stacks")
         except (psutil.Error, TimeoutError) as exc:
             return f"(the kernel's stacks could not be had: {exc})"
+        # faulthandler writes thread by thread: on a loaded machine the first bytes come well
+        # before the last (the main thread's stack was missing once); read it once it is whole.
+        grown = -1
+        while grown != os.path.getsize(self._stacks):
+            grown = os.path.getsize(self._stacks)
+            time.sleep(0.1)
         with open(self._stacks, errors="replace") as f:
             f.seek(size)
             return f.read()

@@ -115,4 +115,5 @@ def test_a_rank_answers_each_request_with_its_stack_on_the_events_pipe(tmp_path)
     for event in run.events:  # the cell's innermost line, though the thread is deeper (in Flag.wait)
         assert (event["line"], event["call"]) == (4, "flag.wait(60)"), event
         assert event["frames"][0]["filename"] == path and event["frames"][0]["lineno"] == 6
-        assert event["frames"][-1]["name"] == "wait" and event["frames"][-1]["filename"] == __file__
+        # deeper than the cell, in Flag.wait (or what it calls: it was once sampled in Path.stat)
+        assert any(f["name"] == "wait" and f["filename"] == __file__ for f in event["frames"][1:]), event
