@@ -10,7 +10,6 @@ shared-memory endpoint: nothing of TCP on the rank's side.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
 import time
@@ -19,6 +18,7 @@ from taas.data.shm.transport import ENDPOINT as SHM_ENDPOINT
 from taas.data.tcp import messages, wire
 from taas.data.tcp.nodes import fifo_directory, header_name, node_of
 from taas.data.transport import DONE, Address, Endpoint, Sender, WorkerControl, attach, encode
+from taas.ready import IN, OUT
 
 WAIT_S = 0.1  # a send without progress this long counts as waiting for buffer space
 COALESCE = 64 * 1024  # blobs smaller than this are sent with the frame's head
@@ -111,9 +111,9 @@ class _Stream:
                 except (BlockingIOError, InterruptedError):
                     pass
                 events = wire.ready(self.sock, timeout=WAIT_S, write=True).get(self.sock.fileno(), 0)
-                if events & select.POLLIN:
+                if events & IN:
                     self.poll()  # GONE frames: the relay must never wait for us to read
-                if not events & select.POLLOUT and on_wait is not None and not waiting:
+                if not events & OUT and on_wait is not None and not waiting:
                     waiting = True
                     on_wait(True)
         finally:
